@@ -1,0 +1,73 @@
+"""`slipstream` command line. Heavy imports (torch, transformers) happen inside the commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from slipstream.config import load_config
+
+    recipe, overrides = None, list(args.overrides)
+    if args.recipe is not None:
+        if "=" in args.recipe:  # `slipstream train actor.lr=1e-6` with no recipe
+            overrides.insert(0, args.recipe)
+        else:
+            recipe = args.recipe
+    try:
+        cfg = load_config(recipe, overrides)
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    from slipstream.controller.grpo import RLTrainer
+    from slipstream.report import write_report
+
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoint saved under {trainer.run_dir / 'checkpoints'} (run again to resume)")
+        return 130
+    path = write_report(trainer.run_dir)
+    print(f"run finished: {trainer.run_dir} (report: {path})")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from slipstream.report import write_report
+
+    path = write_report(args.run_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="RL post-training for LLMs, measured honestly.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run GRPO / PPO from a recipe plus key=value overrides")
+    train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/); omit to use the defaults")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 rollout.group_size=8")
+    train.set_defaults(func=_train)
+
+    report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Generate the config reference (docs/config.md) from the dataclasses' field docstrings."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from typing import get_type_hints
+
+from slipstream.config import schema
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> the string literal that follows its annotation in the class body."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def render_reference() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `slipstream/config/schema.py` by `python -m slipstream.config.docs`;",
+        "a test fails when this file and the dataclasses disagree. Set any field in a recipe",
+        "(YAML, by section) or on the command line as `section.key=value`.",
+        "",
+    ]
+    root = schema.Config()
+    for section in dataclasses.fields(schema.Config):
+        cls = get_type_hints(schema.Config)[section.name]
+        docs = field_docs(cls)
+        lines += [f"## `{section.name}` — {inspect.getdoc(cls)}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        defaults = getattr(root, section.name)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(defaults, f.name)
+            typ = _type_name(hints[f.name]).replace("|", "\\|")
+            lines.append(f"| `{section.name}.{f.name}` | `{typ}` | `{default!r}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")

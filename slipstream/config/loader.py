@@ -1,0 +1,156 @@
+"""Build a `Config` from YAML recipes and dotted `key=value` overrides, with strict checking.
+
+Unknown keys and values of the wrong type are rejected with a message that names the key
+and, for a misspelt key, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from slipstream.config.schema import Config
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML recipe <- command-line overrides, validated into a `Config`."""
+    tree: dict = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ValueError(f"recipe {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"recipe {path} must be a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(tree, key, value)
+    return build(Config, tree, prefix="")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """"actor.lr=1e-6" -> ("actor.lr", 1e-6); the value is parsed as YAML ("null", "[1, 2]", "true")."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {key!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, data: Any, prefix: str) -> Any:
+    """Recursively turn nested dicts into the dataclass `cls`, checking every key and type."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ValueError(f"unknown config key '{prefix}{key}'{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = build(tp, data[name], prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = coerce(data[name], tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return coerce(value, option, key)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{key} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = [value]  # a single value where a list is expected: "reward.functions=math"
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    raise TypeError(f"{key}: unsupported annotation {tp}")  # a schema bug, not user input
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config; `load_config(path)` reads it back to an equal Config."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

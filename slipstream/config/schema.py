@@ -1,0 +1,249 @@
+"""The one typed config tree of slipstream. Defaults live here and only here.
+
+Every field carries a one-line docstring (the string right below it); `slipstream.config.docs`
+turns them into docs/config.md, and a test keeps the two in sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelSection:
+    """Which policy model to train and how to tokenize for it."""
+
+    path: str | None = None
+    """HF checkpoint directory (config.json + safetensors) or a .gguf file; None uses `preset` with random init."""
+    preset: str = "tiny"
+    """Named architecture with random weights, used when `path` is None (tiny, qwen3-0.6b, qwen3-1.7b, ...)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or .gguf file; "char" builds the built-in character tokenizer; None: from `path`, else "char"."""
+    use_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the actor; master weights and optimizer state stay float32."""
+    init_seed: int = 0
+    """Seed of the random initialisation of a preset."""
+
+
+@dataclass
+class DataSection:
+    """Where prompts come from."""
+
+    source: str = "task:sum-mod10"
+    """"task:<name>" for a built-in procedural task, or a .jsonl / .parquet file or a `datasets` save_to_disk dir."""
+    task_params: dict = field(default_factory=dict)
+    """Keyword arguments of the procedural task (e.g. {digits: 2} for arithmetic)."""
+    num_task_prompts: int = 4096
+    """How many prompts a procedural task generates per epoch."""
+    prompt_key: str = "prompt"
+    """Dotted path of the prompt field in a dataset row."""
+    answer_key: str = "answer"
+    """Dotted path of the ground-truth field in a dataset row."""
+    split: str = "train"
+    """Split to read from a `datasets` DatasetDict."""
+    prompt_template: str | None = None
+    """Python format string with {prompt} applied to text prompts before tokenizing; None leaves them as they are."""
+    on_error: Literal["skip", "raise"] = "skip"
+    """What to do with a malformed row: report it with file and line, then skip it or stop."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch shuffle of the prompts."""
+
+
+@dataclass
+class RolloutSection:
+    """Generation of completions."""
+
+    engine: Literal["builtin"] = "builtin"
+    """Rollout engine; "builtin" samples with the native model and a KV cache in the trainer's process."""
+    prompts_per_step: int = 8
+    """Prompts per RL step; each gets `group_size` completions."""
+    group_size: int = 8
+    """Completions per prompt (the GRPO group)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by the same value when it computes log-probs."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 disables it)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 disables it)."""
+    max_new_tokens: int = 16
+    """Generation budget per completion."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (each must encode to a single token); the tokenizer's EOS always stops."""
+    max_batch_size: int = 256
+    """Most sequences decoded at once by the builtin engine."""
+    seed: int = 0
+    """Seed of the sampler."""
+
+
+@dataclass
+class RewardSection:
+    """Scoring of completions."""
+
+    functions: list[str] = field(default_factory=lambda: ["math"])
+    """Reward names (math, exact, format, countdown) or custom "module:function" / "file.py:function"."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per function; empty means all 1.0."""
+    num_workers: int = 1
+    """Worker processes that run reward functions (0 runs them inline, without a timeout)."""
+    timeout_s: float = 10.0
+    """Per-call limit; a reward that takes longer is scored `error_score`."""
+    on_error: Literal["zero", "raise"] = "zero"
+    """A reward that raises or hangs: log it and score `error_score` ("zero"), or stop the run ("raise")."""
+    error_score: float = 0.0
+    """Score given to a completion whose reward raised or timed out."""
+
+
+@dataclass
+class AlgoSection:
+    """The RL objective: advantages and the policy loss."""
+
+    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+    """Advantage estimator."""
+    std_normalize: bool = True
+    """Divide group-centred rewards by the group std (False = Dr.GRPO)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high); DAPO uses 0.28."""
+    dual_clip_c: float | None = None
+    """Dual-clip bound c > 1 for negative advantages; None disables it."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 builds no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (entropy is computed only when this is > 0 or it is logged)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced; always with the minibatch's global denominators."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per rollout batch (the batch is split into this many minibatches, groups kept whole)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch."""
+    behav_is_cap: float | None = None
+    """Cap of the importance weight pi_old / pi_behaviour (decoupled PPO); None does not use it."""
+
+
+@dataclass
+class ActorSection:
+    """The policy update: backend, optimizer, micro-batching."""
+
+    backend: Literal["local"] = "local"
+    """Training backend; "local" runs in one process on the CPU or one GPU."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up in optimizer steps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    max_tokens_per_mb: int = 16384
+    """Token budget of one micro-batch; a longer single sequence gets a micro-batch of its own."""
+    planner: Literal["kk", "ffd"] = "kk"
+    """Balanced partition used to cut minibatches into micro-batches."""
+    logprob_chunk_size: int | None = None
+    """Rows per chunk of the fused log-prob op; None picks it from a memory budget."""
+
+
+@dataclass
+class TrainerSection:
+    """The run: length, seeds, device, checkpoints, logging."""
+
+    total_steps: int = 20
+    """RL steps to run."""
+    seed: int = 0
+    """Global seed (torch, python, data order)."""
+    device: str = "auto"
+    """"auto" (CUDA when present, else CPU), "cpu" or "cuda"."""
+    run_dir: str = "runs/default"
+    """Where the resolved config, metrics, checkpoints and the final HF export go."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end and on interruption)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = True
+    """Continue from the newest checkpoint in run_dir when one exists."""
+    export_hf: bool = True
+    """Write the final policy as an HF checkpoint to run_dir/hf."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when it is installed."""
+    log_every: int = 1
+    """Print a console line every N steps."""
+    peak_flops: float | None = None
+    """Override the device's dense bf16 peak FLOP/s used for MFU."""
+    stop_on_nan: bool = True
+    """Stop (after saving) when the loss or gradient norm is not finite."""
+
+
+@dataclass
+class Config:
+    """A whole slipstream run."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    """The policy model."""
+    data: DataSection = field(default_factory=DataSection)
+    """The prompts."""
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Generation."""
+    reward: RewardSection = field(default_factory=RewardSection)
+    """Scoring."""
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    """The RL objective."""
+    actor: ActorSection = field(default_factory=ActorSection)
+    """The policy update."""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """The run."""
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+def check_config(cfg: Config) -> None:
+    """Cross-field checks; raise ValueError naming the keys involved."""
+    r, a, rw = cfg.rollout, cfg.algo, cfg.reward
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.group_size": r.group_size,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "algo.ppo_n_minibatches": a.ppo_n_minibatches,
+        "algo.ppo_epochs": a.ppo_epochs,
+        "actor.max_tokens_per_mb": cfg.actor.max_tokens_per_mb,
+        "trainer.total_steps": cfg.trainer.total_steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if r.temperature <= 0:
+        raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.prompts_per_step % a.ppo_n_minibatches:
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
+            f"algo.ppo_n_minibatches={a.ppo_n_minibatches} (groups are never split across minibatches)"
+        )
+    if not 0 <= a.clip_low < 1 or a.clip_high < 0:
+        raise ValueError(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0, got {a.clip_low}, {a.clip_high}")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        raise ValueError(f"algo.dual_clip_c must be > 1 when set, got {a.dual_clip_c}")
+    if not rw.functions:
+        raise ValueError("reward.functions must name at least one reward")
+    if rw.weights and len(rw.weights) != len(rw.functions):
+        raise ValueError(
+            f"reward.weights has {len(rw.weights)} entries for {len(rw.functions)} reward.functions"
+        )
+    if rw.timeout_s <= 0:
+        raise ValueError(f"reward.timeout_s must be > 0, got {rw.timeout_s}")
+    if len(cfg.actor.betas) != 2:
+        raise ValueError(f"actor.betas must have two values, got {cfg.actor.betas}")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
+        raise ValueError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {cfg.trainer.device!r}")

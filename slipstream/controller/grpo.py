@@ -1,0 +1,269 @@
+"""The synchronous RL loop: rollout -> rewards -> advantages -> update -> weight sync.
+
+One `RLTrainer.step()` reads top to bottom like the data flow in docs/architecture.md. The
+algorithm (advantage estimator, loss terms, aggregation) is picked from registries when the
+trainer is built; the loop itself never branches on it or on the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from slipstream.algo.advantages import broadcast_to_tokens, get_advantage_fn
+from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.batching.packing import pack_samples, scatter_per_token, select
+from slipstream.batching.planner import plan_micro_batches, split_minibatches
+from slipstream.batching.records import PackedBatch, Sample
+from slipstream.checkpoint.manager import CheckpointManager
+from slipstream.config.loader import dump_yaml
+from slipstream.config.schema import Config
+from slipstream.controller import setup
+from slipstream.controller.prompts import PromptSource
+from slipstream.engine.local import LocalEngine
+from slipstream.logging import MetricsLogger, build_sinks
+from slipstream.models import hf
+from slipstream.perf.mfu import device_peak_flops
+from slipstream.perf.timers import PhaseTimer, perf_metrics
+from slipstream.rewards.runner import RewardRunner
+from slipstream.rollout.base import SamplingParams
+from slipstream.rollout.builtin import BuiltinRollout
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class PolicyLoss:
+    """Binds the configured loss terms into the engine's LossFn shape."""
+
+    def __init__(self, spec: LossSpec) -> None:
+        self.spec = spec
+        # entropy is always logged; computing it only costs a reduction in the fused op
+        self.needs_entropy = True
+
+    def __call__(self, logprobs, entropy, batch, norm):
+        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        setup.seed_everything(cfg.trainer.seed)
+        self.device = setup.pick_device(cfg.trainer.device)
+        self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
+        dump_yaml(cfg, self.run_dir / "config.yaml")
+
+        self.tokenizer = setup.build_tokenizer(cfg)
+        model, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))
+        compute_dtype = setup.DTYPES[cfg.model.dtype]
+        temperature = cfg.rollout.temperature
+        ref_model = None
+        if cfg.algo.kl_coef > 0:  # the reference is the initial policy, frozen
+            ref_model = type(model)(self.model_cfg)
+            ref_model.load_state_dict(model.state_dict())
+        self.engine = LocalEngine(model, self.device, compute_dtype, temperature, actor=cfg.actor)
+        self.ref = LocalEngine(ref_model, self.device, compute_dtype, temperature) if ref_model is not None else None
+
+        rollout_dtype = compute_dtype if self.device.type == "cuda" else torch.float32
+        self.rollout = BuiltinRollout(
+            self.model_cfg, self.device, rollout_dtype, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.rollout.seed
+        )
+        self.sampling = SamplingParams(
+            temperature=temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_token_ids=setup.stop_token_ids(self.tokenizer, cfg.rollout.stop),
+            n=cfg.rollout.group_size,
+        )
+        self.prompts = PromptSource(cfg, self.tokenizer)
+        self.rewards = RewardRunner(
+            list(zip(self.prompts.reward_functions(), cfg.reward.weights or [1.0] * len(cfg.reward.functions))),
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+            on_error=cfg.reward.on_error,
+            error_score=cfg.reward.error_score,
+        )
+        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)
+        self.loss_fn = PolicyLoss(
+            LossSpec(
+                clip_low=cfg.algo.clip_low,
+                clip_high=cfg.algo.clip_high,
+                dual_clip_c=cfg.algo.dual_clip_c,
+                kl_coef=cfg.algo.kl_coef,
+                kl_estimator=cfg.algo.kl_estimator,
+                entropy_coef=cfg.algo.entropy_coef,
+                agg_mode=cfg.algo.loss_agg,
+                behav_is_cap=cfg.algo.behav_is_cap,
+            )
+        )
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+        self.peak_flops = device_peak_flops(
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
+        )
+        self.step_num = 0
+        if cfg.trainer.resume and (latest := self.checkpoints.latest()) is not None:
+            self._restore(latest)
+        self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
+        self.logger = MetricsLogger(
+            build_sinks(self.run_dir, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
+                        log_every=cfg.trainer.log_every, start_step=self.step_num)
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        """Run until trainer.total_steps; Ctrl-C or SIGTERM saves a checkpoint and exits cleanly."""
+        interrupted = False
+
+        def on_sigterm(signum, frame):  # schedulers send SIGTERM before killing a job
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            while self.step_num < self.cfg.trainer.total_steps:
+                metrics = self.step()
+                self.logger.log(self.step_num, metrics)
+                every = self.cfg.trainer.save_every
+                if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
+                    self.save()
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted at step %d: saving a checkpoint", self.step_num)
+        except NonFiniteLoss:
+            log.error("stopping: non-finite loss or gradient at step %d (checkpoint of the last good step kept)",
+                      self.step_num)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.logger.close()
+            self.rewards.close()
+        self.save()
+        if interrupted:
+            raise KeyboardInterrupt
+        if self.cfg.trainer.export_hf:
+            out = hf.save_pretrained(self.engine.model, self.model_cfg, self.run_dir / "hf")
+            self.tokenizer.save_pretrained(str(self.run_dir / "hf"))
+            log.info("exported the policy as an HF checkpoint to %s", out)
+
+    def step(self) -> dict[str, float]:
+        cfg = self.cfg
+        timer = PhaseTimer(self.device)
+        with timer.phase("step"):
+            records = self.prompts.next_batch()
+            with timer.phase("rollout"):
+                groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling)
+            samples = [
+                replace(s, group_id=g, prompt_text=r.prompt_text, answer=r.answer)
+                for g, (r, group) in enumerate(zip(records, groups))
+                for s in group
+            ]
+            with timer.phase("reward"):
+                samples = self._score(samples)
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            group_ids = torch.tensor([s.group_id for s in samples])
+            seq_adv = self.advantage_fn(rewards, group_ids, std_normalize=cfg.algo.std_normalize)
+            batch = pack_samples(samples, seq_adv, indices=list(range(len(samples))))
+            batch = self._attach_logprobs(batch, timer)
+            with timer.phase("actor_train"):
+                train_metrics = self._train(batch)
+            self.step_num += 1
+            with timer.phase("update_weights"):
+                self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
+        metrics = {**train_metrics, **self._sample_metrics(samples, rewards)}
+        metrics.update(timer.summary())
+        metrics.update(
+            perf_metrics(
+                self.model_cfg,
+                seq_lens=batch.seq_lens(),
+                response_lens=[len(s.response_ids) for s in samples],
+                times=timer.times,
+                train_passes=cfg.algo.ppo_epochs,
+                world_size=1,
+                peak_flops=self.peak_flops,
+            )
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def _score(self, samples: list[Sample]) -> list[Sample]:
+        texts = self.tokenizer.batch_decode([list(s.response_ids) for s in samples], skip_special_tokens=True)
+        scored = self.rewards.score([(t, s.answer, s.prompt_text) for t, s in zip(texts, samples)])
+        return [
+            replace(s, response_text=t, reward=float(r), reward_info=info)
+            for s, t, (r, info) in zip(samples, texts, scored)
+        ]
+
+    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        plan = plan_micro_batches(batch.seq_lens(), self.cfg.actor.max_tokens_per_mb, num_ranks=1,
+                                  algorithm=self.cfg.actor.planner)
+        return [select(batch, ids) for ids in plan.assignments[0] if ids]
+
+    def _attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
+        """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""
+        updates = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs
+        mbs = self._micro_batches(batch) if (updates > 1 or self.ref is not None) else []
+        if updates > 1:
+            with timer.phase("old_log_probs"):
+                outs = self.engine.forward_logprobs(mbs)
+                batch = batch.with_(old_logprobs=scatter_per_token([o.logprobs.cpu() for o in outs], mbs, batch))
+        if self.ref is not None:
+            with timer.phase("ref_log_probs"):
+                outs = self.ref.forward_logprobs(mbs)
+                batch = batch.with_(ref_logprobs=scatter_per_token([o.logprobs.cpu() for o in outs], mbs, batch))
+        return batch
+
+    def _train(self, batch: PackedBatch) -> dict[str, float]:
+        cfg = self.cfg
+        minibatches = split_minibatches(batch.num_seqs, cfg.algo.ppo_n_minibatches, cfg.rollout.group_size)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.algo.ppo_epochs):
+            for seq_ids in minibatches:
+                mbs = self._micro_batches(select(batch, seq_ids))
+                metrics = self.engine.forward_backward(mbs, self.loss_fn, max_response_len=cfg.rollout.max_new_tokens)
+                metrics.update(self.engine.optim_step())
+                if cfg.trainer.stop_on_nan and not all(map(math.isfinite, metrics.values())):
+                    raise NonFiniteLoss(f"non-finite training metrics: {metrics}")
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                count += 1
+        return {key: value / count for key, value in sums.items()}
+
+    def _sample_metrics(self, samples: list[Sample], rewards: torch.Tensor) -> dict[str, float]:
+        resp = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        group = rewards.view(-1, self.cfg.rollout.group_size)
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/max": float(rewards.max()),
+            "reward/zero_adv_group_frac": float((group.min(dim=1).values == group.max(dim=1).values).float().mean()),
+            "reward/error_frac": sum("error" in s.reward_info for s in samples) / len(samples),
+            "rollout/response_len_mean": float(resp.mean()),
+            "rollout/response_len_max": float(resp.max()),
+            "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples),
+            "rollout/policy_version": float(self.step_num - 1),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
+                 "config": asdict(self.cfg)}
+        path = self.checkpoints.save(self.step_num, self.engine.save, state)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _restore(self, directory: Path) -> None:
+        self.engine.load(directory)
+        state = self.checkpoints.load_trainer_state(directory)
+        self.prompts.load_state_dict(state["data"])
+        self.rollout.load_state_dict(state["rollout"])
+        self.step_num = int(state["step"])
+        log.info("resumed from %s at step %d", directory, self.step_num)

@@ -1,0 +1,81 @@
+"""Build the components of a run from the config: device, tokenizer, models, data, rewards."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slipstream.config.schema import Config
+from slipstream.models import hf
+from slipstream.models.config import ModelConfig
+from slipstream.models.presets import get_preset
+from slipstream.models.tokenizer import build_char_tokenizer, load_tokenizer
+from slipstream.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.device={name!r} but CUDA is not available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def build_tokenizer(cfg: Config):
+    """The tokenizer named by model.tokenizer, else the checkpoint's, else the built-in char tokenizer."""
+    name = cfg.model.tokenizer
+    if name is None:
+        name = cfg.model.path or "char"
+    if name == "char":
+        return build_char_tokenizer()
+    return load_tokenizer(name)
+
+
+def build_policy(cfg: Config, vocab_size: int) -> tuple[Transformer, ModelConfig]:
+    """Load model.path (HF dir or .gguf) or build model.preset with random weights, in fp32."""
+    if cfg.model.path:
+        model, model_cfg = hf.load_pretrained(cfg.model.path, dtype=torch.float32, device="cpu")
+    else:
+        model_cfg = get_preset(cfg.model.preset)
+        model = Transformer(model_cfg)
+        model.init_weights(cfg.model.init_seed)
+    if vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}; "
+            "pick a matching model.tokenizer"
+        )
+    return model, model_cfg
+
+
+def stop_token_ids(tokenizer, stop: list[str]) -> list[int]:
+    """EOS plus each configured stop string, which must be a single token."""
+    ids = []
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        ids.append(int(eos))
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"rollout.stop entry {text!r} encodes to {len(encoded)} tokens; it must be one token")
+        ids.append(encoded[0])
+    return sorted(set(ids))
+
+
+def prepare_run_dir(path: str) -> Path:
+    run_dir = Path(path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

@@ -1,0 +1,180 @@
+"""The "local" backend: one process, the CPU or one GPU, fp32 master weights.
+
+On CUDA with `model.dtype=bfloat16` the forward runs under bf16 autocast while parameters,
+gradients and AdamW state stay fp32. The FSDP2 backend keeps this exact training step and
+only changes where parameters live and how gradients are reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from slipstream.batching.records import LossNorm, PackedBatch
+from slipstream.config.schema import ActorSection
+from slipstream.engine.base import LogProbOutput, LossFn
+from slipstream.models import hf
+from slipstream.models.transformer import Transformer
+from slipstream.ops.logprobs import linear_logprobs
+
+
+class OutOfMemory(RuntimeError):
+    """Raised with the setting to change when a micro-batch does not fit."""
+
+
+def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
+    """Global loss denominators of a minibatch from its CPU-side masks (no device sync).
+
+    A sequence counts for the seq-mean modes when it has at least one loss token, so padding
+    sequences and empty responses do not dilute the mean.
+    """
+    num_tokens = 0
+    num_seqs = 0
+    for mb in micro_batches:
+        mask = mb.loss_mask.cpu()
+        num_tokens += int(mask.sum())
+        has_tokens = torch.zeros(mb.num_seqs, dtype=torch.bool).index_fill_(0, mb.seq_index.cpu()[mask], True)
+        num_seqs += int(has_tokens.sum())
+    return LossNorm(num_loss_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1), max_response_len=max_response_len)
+
+
+class LocalEngine:
+    """TrainEngine for a single device. `actor=None` builds a frozen, forward-only engine (reference model)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        temperature: float,
+        actor: ActorSection | None = None,
+    ) -> None:
+        self.device = device
+        self.model = model.to(device=device, dtype=torch.float32)
+        self.compute_dtype = compute_dtype
+        self.temperature = temperature
+        self.actor = actor
+        self.chunk_size = actor.logprob_chunk_size if actor else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        if actor is None:
+            self.model.requires_grad_(False)
+            self.model.eval()
+            return
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=actor.lr,
+            betas=tuple(actor.betas),
+            eps=actor.eps,
+            weight_decay=actor.weight_decay,
+            fused=device.type == "cuda",
+        )
+        warmup = max(actor.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _logprobs(self, mb: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._autocast():
+            hidden = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        weight = self.model.lm_head_weight.to(hidden.dtype)
+        return linear_logprobs(
+            hidden, weight, mb.targets, temperature=self.temperature, with_entropy=with_entropy,
+            chunk_size=self.chunk_size,
+        )
+
+    @torch.no_grad()
+    def forward_logprobs(self, micro_batches: Sequence[PackedBatch], *, with_entropy: bool = False) -> list[LogProbOutput]:
+        out = []
+        with _oom_advice("actor.max_tokens_per_mb", micro_batches):
+            for mb in micro_batches:
+                logprobs, entropy = self._logprobs(mb.to(self.device, non_blocking=True), with_entropy)
+                out.append(LogProbOutput(logprobs=logprobs.float(), entropy=None if entropy is None else entropy.float()))
+        return out
+
+    def forward_backward(self, micro_batches: Sequence[PackedBatch], loss_fn: LossFn, *, max_response_len: int) -> dict[str, float]:
+        assert self.optimizer is not None, "forward_backward on a frozen engine"
+        self.model.train()
+        norm = count_norm(micro_batches, max_response_len)
+        totals: dict[str, torch.Tensor] = {}
+        with _oom_advice("actor.max_tokens_per_mb", micro_batches):
+            for mb in micro_batches:
+                mb = mb.to(self.device, non_blocking=True)
+                logprobs, entropy = self._logprobs(mb, loss_fn.needs_entropy)
+                loss, metrics = loss_fn(logprobs, entropy, mb, norm)
+                loss.backward()
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value.detach().float()
+        # one host sync for all metrics of the minibatch
+        keys = list(totals)
+        values = torch.stack([torch.as_tensor(totals[k], device=self.device) for k in keys]).tolist() if keys else []
+        result = dict(zip(keys, values))
+        result["actor/num_loss_tokens"] = float(norm.num_loss_tokens)
+        result["actor/num_micro_batches"] = float(len(micro_batches))
+        return result
+
+    def optim_step(self) -> dict[str, float]:
+        assert self.optimizer is not None and self.actor is not None
+        max_norm = self.actor.grad_clip if self.actor.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/step_skipped": float(not math.isfinite(grad_norm))}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from hf.to_hf_state_dict(self.model.state_dict()).items()
+
+    def save(self, directory: Path) -> None:
+        state = {"model": self.model.state_dict()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        torch.save(state, Path(directory) / "engine.pt")
+
+    def load(self, directory: Path) -> None:
+        state = torch.load(Path(directory) / "engine.pt", map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def offload(self) -> None:
+        self._move(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(device)
+
+
+@contextlib.contextmanager
+def _oom_advice(setting: str, micro_batches: Sequence[PackedBatch]):
+    """Turn a CUDA OOM into an error that names the setting to lower."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        largest = max(mb.num_tokens for mb in micro_batches)
+        raise OutOfMemory(
+            f"out of memory with micro-batches of up to {largest} tokens; lower {setting} "
+            f"(or shorten rollout.max_new_tokens). Original error: {err}"
+        ) from err
