@@ -1,0 +1,184 @@
+"""One-page picture of a run: report.png (2 x 3 panels) drawn from run_dir/metrics.jsonl.
+
+Usage: `python -m slipstream.report RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from slipstream.logging.jsonl import read_metrics
+
+# Step-time panel: the phases stacked per step, in pipeline order; any other perf/*_time
+# phase found in the file is stacked after these.
+_PHASE_ORDER = ("rollout", "reward", "old_log_probs", "ref_log_probs", "actor_train", "update_weights")
+
+
+def _series(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) of `key` over the records that have it; None when never logged or all NaN."""
+    steps = [r["step"] for r in records if key in r]
+    values = np.array([r[key] for r in records if key in r], dtype=np.float64)
+    if not steps or np.all(np.isnan(values)):
+        return None
+    return np.array(steps), values
+
+
+def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average over the finite values in each window (NaN where none are)."""
+    out = np.full_like(values, np.nan)
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        chunk = chunk[np.isfinite(chunk)]
+        if chunk.size:
+            out[i] = chunk.mean()
+    return out
+
+
+def _not_logged(ax: Axes, title: str) -> None:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _line_panel(ax: Axes, records: Sequence[dict], keys: Sequence[str], title: str, smooth: int = 0) -> None:
+    """Plot the first of `keys` that was logged, optionally with a smoothed line on top."""
+    for key in keys:
+        series = _series(records, key)
+        if series is None:
+            continue
+        steps, values = series
+        ax.plot(steps, values, alpha=0.35 if smooth else 1.0, label=key, marker="." if len(steps) < 30 else None)
+        if smooth and len(values) > 1:
+            ax.plot(steps, _smooth(values, smooth), label=f"{key} (mean of {smooth})")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        return
+    _not_logged(ax, title)
+
+
+def _step_time_panel(ax: Axes, records: Sequence[dict]) -> None:
+    title = "step time breakdown (s)"
+    found = {key[len("perf/") : -len("_time")] for r in records for key in r if key.startswith("perf/") and key.endswith("_time")}
+    phases = [p for p in _PHASE_ORDER if p in found] + sorted(found - set(_PHASE_ORDER) - {"step"})
+    if not phases and "step" not in found:
+        _not_logged(ax, title)
+        return
+    steps = np.array([r["step"] for r in records])
+    bottom = np.zeros(len(records))
+    for phase in phases:
+        # A phase missing from a step (or NaN) contributes nothing to that step's bar.
+        heights = np.array([r.get(f"perf/{phase}_time", math.nan) for r in records], dtype=np.float64)
+        heights = np.nan_to_num(heights, nan=0.0)
+        ax.bar(steps, heights, bottom=bottom, width=0.8, label=phase)
+        bottom += heights
+    # The step's own wall time on top: with async rollout, phases overlap and the bars exceed it;
+    # in a synchronous step the gap above the bars is time no phase accounted for.
+    series = _series(records, "perf/step_time")
+    if series is not None:
+        ax.plot(*series, color="black", marker="_", linestyle="none", markersize=10, label="step")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=7)
+
+
+def _throughput_panel(ax: Axes, records: Sequence[dict]) -> None:
+    title = "throughput / MFU"
+    tok_keys = ("perf/actor_train_tok_per_s", "perf/rollout_tokens_per_gpu_per_s")
+    plotted = False
+    for key in tok_keys:
+        series = _series(records, key)
+        if series is not None:
+            ax.plot(*series, label=key.removeprefix("perf/") + " (per GPU)")
+            plotted = True
+    mfu = _series(records, "perf/actor_train_mfu")
+    if not plotted and mfu is None:
+        _not_logged(ax, title)
+        return
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if plotted:
+        ax.set_ylabel("tokens / s / GPU")
+        ax.legend(fontsize=7, loc="upper left")
+    if mfu is not None:
+        # MFU is a fraction; on its own axis so it stays readable next to tokens/s.
+        ax_mfu = ax.twinx() if plotted else ax
+        ax_mfu.plot(mfu[0], 100 * mfu[1], color="tab:red", linestyle="--", label="actor_train MFU")
+        ax_mfu.set_ylabel("MFU (%)")
+        peak = _series(records, "perf/peak_tflops")
+        label = "actor_train MFU" + (f" (peak {np.nanmax(peak[1]):.0f} TFLOP/s)" if peak is not None else "")
+        ax_mfu.lines[-1].set_label(label)
+        ax_mfu.legend(fontsize=7, loc="upper right")
+
+
+def summarize(records: Sequence[dict], k: int = 10) -> str:
+    """One short paragraph: steps logged, first-k vs last-k mean reward, mean step time."""
+    if not records:
+        return "no metrics logged"
+    lines = [f"steps logged: {len(records)} (step {records[0]['step']} .. {records[-1]['step']})"]
+    reward = _series(records, "reward/mean")
+    if reward is not None:
+        values = reward[1]
+        # Keep the two windows disjoint on short runs so the comparison means something.
+        k = max(1, min(k, len(values) // 2))
+        first, last = np.nanmean(values[:k]), np.nanmean(values[-k:])
+        lines.append(f"reward/mean: first {k} steps {first:.4f} -> last {k} steps {last:.4f} ({last - first:+.4f})")
+    else:
+        lines.append("reward/mean: not logged")
+    step_time = _series(records, "perf/step_time")
+    if step_time is not None:
+        lines.append(f"perf/step_time: mean {np.nanmean(step_time[1]):.3f} s")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path, k: int = 10, smooth: int = 10) -> Path:
+    """Draw run_dir/report.png from run_dir/metrics.jsonl, print a text summary, return the path."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ValueError(f"no metrics.jsonl in {run_dir}")
+    records = read_metrics(metrics_path)
+
+    # A bare Figure (no pyplot) renders through Agg without touching the global backend.
+    fig = Figure(figsize=(16, 9), layout="constrained")
+    axes = fig.subplots(2, 3)
+    _line_panel(axes[0, 0], records, ["reward/mean"], "reward (mean)", smooth=smooth)
+    _line_panel(axes[0, 1], records, ["actor/pg_loss", "actor/loss"], "policy loss")
+    _line_panel(axes[0, 2], records, ["actor/kl"], "KL to reference")
+    _line_panel(axes[1, 0], records, ["actor/entropy"], "entropy")
+    _step_time_panel(axes[1, 1], records)
+    _throughput_panel(axes[1, 2], records)
+    fig.suptitle(f"{run_dir.name}: {len(records)} steps")
+
+    out = run_dir / "report.png"
+    fig.savefig(out, dpi=100)
+    print(summarize(records, k=k))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: write the report of each run directory given."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m slipstream.report RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        return 2
+    for run_dir in args:
+        print(f"wrote {write_report(run_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
