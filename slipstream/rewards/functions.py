@@ -1,0 +1,216 @@
+"""Built-in reward functions.
+
+Every reward has the signature ``fn(completion: str, answer: str | None, prompt: str) -> float | dict``;
+a dict return carries the score under ``"score"`` and any other keys are logged as info.
+Functions here are pure and module-level so that worker processes can import them by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from fractions import Fraction
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction and normalisation (math)
+# ---------------------------------------------------------------------------------------------
+
+# A number as written in prose: a fraction "3/4", a thousands-grouped "1,234.5", or a plain
+# "-12", "0.5", ".5". Alternation order matters: the longest forms must be tried first.
+_NUMBER_RE = re.compile(
+    r"-?\d+(?:\.\d+)?\s*/\s*-?\d+(?:\.\d+)?"  # fraction
+    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,234,567.89
+    r"|-?(?:\d+(?:\.\d*)?|\.\d+)"  # plain int / decimal
+)
+_LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in `text` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        i = start + len("\\boxed{")
+        depth = 1
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i:j]
+        # Unbalanced (e.g. the completion was cut off inside the box): try an earlier box.
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in `text` (fractions, decimals, thousands commas, negatives), or None."""
+    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    return matches[-1] if matches else None
+
+
+def extract_math_answer(completion: str) -> str | None:
+    """The final answer of a math completion: last \\boxed{} if any, else the last number."""
+    boxed = extract_boxed(completion)
+    if boxed is not None:
+        return boxed
+    return extract_last_number(completion)
+
+
+def normalize_math_answer(text: str) -> str:
+    """Canonical string form of an answer: no $, spaces, thousands commas, trailing '.'."""
+    s = text.strip().replace("\u2212", "-")
+    s = s.replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "")
+    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", s)
+    s = _LATEX_FRAC_RE.sub(r"(\1)/(\2)", s)
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = _THOUSANDS_RE.sub("", s)
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    return s.lower()
+
+
+def parse_number(text: str) -> Fraction | None:
+    """Exact value of an int / decimal / fraction string such as "-3", "0.25", "(1)/(2)"."""
+    s = text.replace("(", "").replace(")", "") if re.fullmatch(r"[\d\s().+\-/]+", text) else text
+    parts = s.split("/")
+    try:
+        if len(parts) == 1:
+            return Fraction(parts[0])
+        if len(parts) == 2:
+            den = Fraction(parts[1])
+            return Fraction(parts[0]) / den if den != 0 else None
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def math_answers_equal(predicted: str, truth: str) -> bool:
+    """Numeric equality when both parse as numbers, else normalised string equality."""
+    p, t = normalize_math_answer(predicted), normalize_math_answer(truth)
+    p_num, t_num = parse_number(p), parse_number(t)
+    if p_num is not None and t_num is not None:
+        return p_num == t_num
+    return p == t
+
+
+def _ground_truth(answer: str | None, reward_name: str) -> str:
+    if answer is None:
+        raise ValueError(f"the {reward_name!r} reward needs a ground-truth answer, got None")
+    answer = str(answer)
+    # GSM8K-style ground truth carries its reasoning before "#### <final answer>".
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    boxed = extract_boxed(answer)
+    return boxed if boxed is not None else answer
+
+
+def math_reward(completion: str, answer: str | None, prompt: str = "") -> float:
+    """1.0 when the completion's final answer (last \\boxed{} or last number) equals `answer`."""
+    truth = _ground_truth(answer, "math")
+    predicted = extract_math_answer(completion)
+    if predicted is None:
+        return 0.0
+    return 1.0 if math_answers_equal(predicted, truth) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact match and format
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalize_text(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def exact_reward(completion: str, answer: str | None, prompt: str = "") -> float:
+    """1.0 when completion and answer are equal up to whitespace runs and case."""
+    if answer is None:
+        raise ValueError("the 'exact' reward needs a ground-truth answer, got None")
+    return 1.0 if _normalize_text(completion) == _normalize_text(str(answer)) else 0.0
+
+
+DEFAULT_FORMAT_PATTERN = r"<answer>.*?</answer>|\\boxed\{"
+
+
+def format_reward(
+    completion: str, answer: str | None = None, prompt: str = "", pattern: str = DEFAULT_FORMAT_PATTERN
+) -> float:
+    """1.0 when `pattern` (a regex, searched with DOTALL) occurs in the completion, else 0.0.
+
+    Use ``functools.partial(format_reward, pattern=...)`` for another pattern; a partial of this
+    module-level function can still be sent to reward worker processes.
+    """
+    return 1.0 if re.search(pattern, completion, flags=re.DOTALL) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Countdown: combine the given numbers with + - * / (each exactly once) to reach the target
+# ---------------------------------------------------------------------------------------------
+
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", flags=re.DOTALL)
+_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def countdown_answer(numbers: list[int], target: int) -> str:
+    """The ground-truth string the countdown reward expects: JSON with numbers and target."""
+    return json.dumps({"numbers": list(numbers), "target": target})
+
+
+def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
+    """Exact value of an arithmetic AST; appends every literal to `used`; ValueError otherwise."""
+    if isinstance(node, ast.Expression):
+        return _eval_countdown(node.body, used)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp):
+        left, right = _eval_countdown(node.left, used), _eval_countdown(node.right, used)
+        if isinstance(node.op, ast.Div):
+            if right == 0:
+                raise ValueError("division by zero")
+            return left / right
+        if type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](left, right)
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def extract_countdown_expression(completion: str) -> str | None:
+    """Expression in the last <answer>...</answer> (else last \\boxed{}, else last line), lhs of '='."""
+    tags = _ANSWER_TAG_RE.findall(completion)
+    if tags:
+        expr = tags[-1]
+    else:
+        expr = extract_boxed(completion)
+        if expr is None:
+            lines = [line for line in completion.strip().splitlines() if line.strip()]
+            if not lines:
+                return None
+            expr = lines[-1]
+    expr = expr.split("=")[0].replace("\u00d7", "*").replace("\u00f7", "/").replace("\u2212", "-")
+    return expr.strip() or None
+
+
+def countdown_reward(completion: str, answer: str | None, prompt: str = "") -> float:
+    """1.0 when the expression uses each given number exactly once and evaluates to the target.
+
+    `answer` is the JSON written by `countdown_answer` ({"numbers": [...], "target": int}).
+    """
+    if answer is None:
+        raise ValueError("the 'countdown' reward needs an answer with numbers and target, got None")
+    spec = json.loads(answer)
+    numbers, target = spec["numbers"], spec["target"]
+    expr = extract_countdown_expression(completion)
+    if expr is None or len(expr) > 200:  # long inputs are never valid and would only cost time
+        return 0.0
+    try:
+        tree = ast.parse(expr, mode="eval")
+        used: list[int] = []
+        value = _eval_countdown(tree, used)
+    except (SyntaxError, ValueError):
+        return 0.0
+    if sorted(used) != sorted(numbers):
+        return 0.0
+    return 1.0 if value == target else 0.0

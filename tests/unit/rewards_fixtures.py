@@ -1,0 +1,33 @@
+"""Custom rewards for tests/unit/test_rewards.py: well-behaved, raising, hanging and crashing.
+
+Loaded by the tests as "path/to/rewards_fixtures.py:function" so that spawned reward workers
+can import it regardless of sys.path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def length_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """Length of the completion: easy to check by hand."""
+    return float(len(completion))
+
+
+def pid_reward(completion: str, answer: str | None, prompt: str) -> dict:
+    """Score 1 and report which process computed it."""
+    return {"score": 1.0, "pid": os.getpid()}
+
+
+def misbehaving_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """Behaves according to the completion text: "raise", "hang", "exit", "nan", else its length."""
+    if completion == "raise":
+        raise ZeroDivisionError("deliberate failure in a reward")
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "exit":
+        os._exit(3)
+    if completion == "nan":
+        return float("nan")
+    return float(len(completion))
