@@ -1,0 +1,152 @@
+"""`slipstream bench train-step`: argument parsing (light) and result tables (rich).
+
+Only argparse runs at import time; torch, transformers and the benchmarks are imported
+inside the command, so `slipstream --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` with its `train-step` sub-command on the top-level subparsers."""
+    bench = subparsers.add_parser("bench", help="measure the training step (and baselines) on fixed workloads")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("train-step", help="time the actor update and log-prob pass of one workload")
+    p.add_argument("--workload", default="W1", help="named workload: W1, W1-0.6b, W1-4b, W1-8b, tiny (default W1)")
+    p.add_argument("--preset", default=None, help="run the workload's lengths on another model preset")
+    p.add_argument("--backend", choices=("local", "fsdp"), default="local")
+    p.add_argument("--max-tokens-per-mb", type=int, default=16384, help="micro-batch token budget (default 16384)")
+    p.add_argument("--ac", choices=("none", "selective", "full"), default="none", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    p.add_argument("--peak-flops", type=float, default=None, help="override the dense bf16 peak FLOP/s for MFU")
+    p.add_argument("--naive", action="store_true", help="also run the naive HF baseline on the same workload")
+    p.add_argument("--naive-mbs", type=int, default=4, help="sequences per padded micro-batch of the naive baseline")
+    p.add_argument("--memory-curve", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="also measure peak memory of one fwd+bwd micro-batch of each token count")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, help="write all results as one JSON object here")
+    p.set_defaults(func=run_train_step)
+    return p
+
+
+def run_train_step(args: argparse.Namespace) -> int:
+    """Entry point of `slipstream bench train-step`."""
+    import torch
+
+    from slipstream.bench.train_step import bench_train_step, memory_curve
+    from slipstream.engine.distributed import rank
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.repeats < 1 or args.warmup < 0:
+        print("--repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    results: dict[str, dict] = {}
+    try:
+        results["slipstream"] = bench_train_step(
+            args.workload, backend=args.backend, max_tokens_per_mb=args.max_tokens_per_mb, dtype=dtype,
+            activation_checkpointing=args.ac, compile=args.compile, repeats=args.repeats, warmup=args.warmup,
+            device=args.device, preset=args.preset, peak_flops=args.peak_flops,
+        )  # fmt: skip
+        if args.naive:
+            from slipstream.bench.naive import bench_naive
+
+            results["naive"] = bench_naive(
+                args.workload, preset=args.preset, micro_batch_size=args.naive_mbs, dtype=dtype,
+                repeats=args.repeats, warmup=args.warmup, device=args.device, peak_flops=args.peak_flops,
+            )  # fmt: skip
+        if args.memory_curve:
+            preset = args.preset or results["slipstream"]["workload"]["preset"]
+            results["memory_curve"] = memory_curve(
+                preset, args.memory_curve, backend=args.backend, dtype=dtype,
+                activation_checkpointing=args.ac, compile=args.compile, device=args.device,
+            )  # fmt: skip
+    except ValueError as err:
+        print(f"bench error: {err}", file=sys.stderr)
+        return 2
+    if rank() != 0:  # under torchrun only rank 0 reports
+        return 0
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    print_results(results)
+    return 0
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def result_row(name: str, r: dict) -> dict[str, str]:
+    """Key figures of one train-step result (slipstream or naive) as table cells."""
+    cfg, train = r["config"], r["phases"]["actor_train"]
+    fwd = r["phases"].get("log_probs")
+    setting = (
+        f"{cfg['backend']} cap={cfg['max_tokens_per_mb']} ac={cfg['activation_checkpointing']}"
+        + (" compile" if cfg.get("compile") else "")
+        if cfg["impl"] == "slipstream"
+        else f"hf padded mbs={cfg['micro_batch_size']} gc={cfg['gradient_checkpointing']}"
+    )
+    return {
+        "variant": name,
+        "preset": r["workload"]["preset"],
+        "setting": setting,
+        "#mb": str(r["micro_batches"]["count"]),
+        "train s": f"{train['time_s']:.3f}",
+        "min-max": f"{train['time_min_s']:.2f}-{train['time_max_s']:.2f}",
+        "train tok/s": f"{train['tok_per_s']:,.0f}",
+        "train TFLOP/s": _fmt(train["tflops"], ".1f"),
+        "MFU": _fmt(train["mfu"], ".1%"),
+        "train GiB": _fmt(train["peak_memory_gib"], ".1f"),
+        "logp s": _fmt(fwd["time_s"] if fwd else None, ".3f"),
+        "logp TFLOP/s": _fmt(fwd["tflops"] if fwd else None, ".1f"),
+        "logp GiB": _fmt(fwd["peak_memory_gib"] if fwd else None, ".1f"),
+    }
+
+
+def print_results(results: dict[str, dict], title: str = "train step") -> None:
+    """A rich table of the train-step results, then the memory-curve / log-prob checks if present."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # Piped output (the GPU runner, logs) has no terminal width: do not squeeze the columns.
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    rows = [result_row(name, r) for name, r in results.items() if r.get("kind") in ("train_step", "naive_train_step")]
+    if rows:
+        table = Table(title=title)
+        for col in rows[0]:
+            table.add_column(col, justify="left" if col in ("variant", "preset", "setting") else "right")
+        for row in rows:
+            table.add_row(*row.values())
+        console.print(table)
+    for name, r in results.items():
+        if r.get("kind") == "memory_curve":
+            points = ", ".join(
+                f"{p['tokens']}:{p['peak_memory_gib']:.1f}GiB" if p["peak_memory_gib"] is not None else f"{p['tokens']}:{p['status']}"
+                for p in r["points"]
+            )  # fmt: skip
+            console.print(f"{name} ({r['preset']}, ac={r['activation_checkpointing']}): {points}; "
+                          f"largest fitting micro-batch {r['largest_fitting_tokens']} tokens")  # fmt: skip
+        elif r.get("kind") == "logprob_memory":
+            console.print(
+                f"{name}: fused log-probs {r['num_tokens']} x {r['vocab_size']}: extra peak "
+                f"{_fmt(r['extra_peak_gib'], '.2f')} GiB vs {r['naive_logits_fp32_gib']:.1f} GiB for fp32 logits, "
+                f"{r['time_s']:.3f} s fwd+bwd, max |err| vs fp64 {r['max_abs_err_vs_fp64']:.2e}"
+            )

@@ -1,0 +1,418 @@
+"""`slipstream bench train-step`: time the actor update and the log-prob pass on a fixed workload.
+
+Two phases are measured on the same planned micro-batches:
+  actor_train  forward_backward over every micro-batch + ONE optim_step (one minibatch update)
+  log_probs    forward_logprobs over the same micro-batches (old / ref log-prob recompute)
+Each is timed as a whole (CUDA events around the phase; perf_counter on the CPU) over
+`repeats` runs after `warmup` discarded ones. FLOPs follow DESIGN.md (slipstream.perf.flops:
+model FLOPs on real tokens, forward = train / 3), MFU uses the dense bf16 datasheet peak.
+Peak memory is torch.cuda.max_memory_allocated after a reset at the start of each phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.batching.planner import quadratic_scale_for
+from slipstream.batching.records import PackedBatch
+from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, synthetic_batch
+from slipstream.config.schema import ActorSection
+from slipstream.engine.distributed import rank as dist_rank
+from slipstream.engine.distributed import world_size
+from slipstream.engine.factory import build_engine, local_micro_batches
+from slipstream.engine.local import OutOfMemory
+from slipstream.models.config import ModelConfig
+from slipstream.models.presets import get_preset
+from slipstream.models.transformer import Transformer
+from slipstream.perf.flops import forward_flops, train_flops
+from slipstream.perf.mfu import device_peak_flops
+
+_GIB = float(2**30)
+AC_MODES = ("none", "selective", "full")
+
+
+class BenchLoss:
+    """PPO-clip, token-mean actor loss (the LossFn the RL loop uses, without KL)."""
+
+    def __init__(self, spec: LossSpec | None = None, needs_entropy: bool = False) -> None:
+        self.spec = spec or LossSpec()
+        self.needs_entropy = needs_entropy
+
+    def __call__(self, logprobs, entropy, batch, norm):
+        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+
+
+# ---------------------------------------------------------------- environment and timing
+
+
+def resolve_device(device: torch.device | str | None, backend: str = "local") -> torch.device:
+    """None picks CUDA when present, else the CPU; under torchrun the fsdp backend uses GPU LOCAL_RANK."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        # Build the model on this rank's GPU, not on GPU 0 of every rank.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if backend == "fsdp" else torch.cuda.current_device())
+    return device
+
+
+def env_info() -> dict:
+    """Where and how a result was produced: device, library versions, git commit, command line."""
+    import transformers  # imported here: only result writers need its version
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "gpu": gpu,
+        "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "git_commit": commit,
+        "command": " ".join(sys.argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def peak_for(device: torch.device, override: float | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of the device (None on the CPU unless overridden)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return device_peak_flops(name, override)
+
+
+def time_once(fn: Callable[[], object], device: torch.device) -> tuple[float, int | None]:
+    """(seconds, peak allocated bytes or None) of one call; the peak is reset at the start."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0, torch.cuda.max_memory_allocated(device)
+
+
+def repeat_timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int
+) -> tuple[list[float], int | None]:
+    """Times of `repeats` calls after `warmup` discarded ones, and the highest phase peak seen."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    for _ in range(warmup):
+        time_once(fn, device)
+    times, peaks = [], []
+    for _ in range(repeats):
+        seconds, peak = time_once(fn, device)
+        times.append(seconds)
+        peaks.append(peak)
+    return times, (max(peaks) if peaks[0] is not None else None)
+
+
+def phase_stats(
+    times: Sequence[float], flops: float, tokens: int, peak_bytes: int | None, peak_flops: float | None,
+    num_gpus: int = 1,
+) -> dict:
+    """Median / min / max time, real tokens/s, TFLOP/s and MFU per GPU, peak memory (GiB)."""
+    median = statistics.median(times)
+    per_gpu_flops = flops / num_gpus / median
+    return {
+        "time_s": median,
+        "time_min_s": min(times),
+        "time_max_s": max(times),
+        "times_s": list(times),
+        "tokens": tokens,
+        "flops": flops,
+        "tok_per_s": tokens / num_gpus / median,
+        "tflops": per_gpu_flops / 1e12,
+        "mfu": per_gpu_flops / peak_flops if peak_flops else None,
+        "peak_memory_gib": peak_bytes / _GIB if peak_bytes is not None else None,
+    }
+
+
+def perf_metrics(phases: dict[str, dict]) -> dict[str, float]:
+    """The DESIGN.md `perf/` names of the measured phases."""
+    out = {}
+    for name, p in phases.items():
+        out[f"perf/{name}_time"] = p["time_s"]
+        out[f"perf/{name}_tflops"] = p["tflops"]
+        out[f"perf/{name}_tok_per_s"] = p["tok_per_s"]
+        if p["mfu"] is not None:
+            out[f"perf/{name}_mfu"] = p["mfu"]
+        if p["peak_memory_gib"] is not None:
+            out[f"perf/max_memory_allocated_gb/{name}"] = p["peak_memory_gib"]
+    return out
+
+
+def workload_info(w: Workload, lens: Sequence[int]) -> dict:
+    """Workload fields plus its realised lengths."""
+    return {**dataclasses.asdict(w), "num_seqs": len(lens), "num_tokens": sum(lens), "seq_lens": list(lens)}
+
+
+# ---------------------------------------------------------------- engine and micro-batches
+
+
+def build_engine_for_bench(
+    model: Transformer,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_tokens_per_mb: int = 16384,
+    activation_checkpointing: str = "none",
+    compile: bool = False,
+):
+    """A trainable engine (AdamW, lr 1e-6) around `model`, built by the shared factory."""
+    if backend not in ("local", "fsdp"):
+        raise ValueError(f"backend must be 'local' or 'fsdp', got {backend!r}")
+    if activation_checkpointing not in AC_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
+    actor = ActorSection(
+        backend=backend, activation_checkpointing=activation_checkpointing, compile=compile,
+        max_tokens_per_mb=max_tokens_per_mb, lr=1e-6,
+    )  # fmt: skip
+    return build_engine(model, device, dtype, temperature=1.0, actor=actor)
+
+
+def plan_and_select(
+    batch: PackedBatch, cfg: ModelConfig, max_tokens_per_mb: int, algorithm: str = "kk"
+) -> list[PackedBatch]:
+    """This rank's micro-batches under the shared planner, balanced over every data-parallel rank."""
+    mbs, _ = local_micro_batches(
+        batch, max_tokens_per_mb, planner=algorithm, rank=dist_rank(), world=world_size(),
+        quadratic_scale=quadratic_scale_for(cfg),
+    )  # fmt: skip
+    return mbs
+
+
+def _build_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    # Built and initialised on the target device: an 8B fp32 model never visits host memory.
+    with torch.device(device):
+        model = Transformer(cfg)
+    model.init_weights(seed)
+    return model
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the benchmarks
+
+
+def bench_train_step(
+    workload: Workload | str,
+    backend: str = "local",
+    max_tokens_per_mb: int = 16384,
+    dtype: torch.dtype = torch.bfloat16,
+    activation_checkpointing: str = "none",
+    compile: bool = False,
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+    preset: str | None = None,
+    planner: str = "kk",
+    peak_flops: float | None = None,
+    with_entropy: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Time one actor update and one log-prob pass of the workload; returns a JSON-ready dict."""
+    w = get_workload(workload, preset) if isinstance(workload, str) else workload
+    if preset is not None and preset != w.preset:
+        w = w.with_preset(preset)
+    device = resolve_device(device, backend)
+    cfg = get_preset(w.preset)
+    model = _build_model(cfg, device, seed)
+    engine = build_engine_for_bench(model, backend, device, dtype, max_tokens_per_mb, activation_checkpointing, compile)
+    device = engine.device  # the fsdp backend pins this rank's GPU
+    batch = synthetic_batch(w, cfg.vocab_size)
+    mbs = plan_and_select(batch, cfg, max_tokens_per_mb, planner)
+    # Pinned host memory lets the per-micro-batch copies overlap compute, as in training.
+    if device.type == "cuda":
+        mbs = [_pin(mb) for mb in mbs]
+    loss_fn = BenchLoss(needs_entropy=with_entropy)
+    max_response_len = w.response_len[1]
+    last_metrics: dict[str, float] = {}
+
+    def actor_update() -> None:
+        last_metrics.update(engine.forward_backward(mbs, loss_fn, max_response_len=max_response_len))
+        last_metrics.update(engine.optim_step())
+
+    def log_probs() -> None:
+        engine.forward_logprobs(mbs)
+
+    lens = batch.seq_lens()
+    tokens = sum(lens)
+    peak = peak_for(device, peak_flops)
+    train_times, train_peak = repeat_timed(actor_update, device, repeats, warmup)
+    fwd_times, fwd_peak = repeat_timed(log_probs, device, repeats, warmup)
+    # FLOPs and tokens of the whole minibatch, divided over the ranks: per-GPU rates.
+    ranks = world_size()
+    phases = {
+        "actor_train": phase_stats(train_times, train_flops(cfg, lens), tokens, train_peak, peak, ranks),
+        "log_probs": phase_stats(fwd_times, forward_flops(cfg, lens), tokens, fwd_peak, peak, ranks),
+    }
+    result = {
+        "kind": "train_step",
+        "workload": workload_info(w, lens),
+        "config": {
+            "impl": "slipstream", "backend": backend, "max_tokens_per_mb": max_tokens_per_mb,
+            "dtype": str(dtype).removeprefix("torch."), "activation_checkpointing": activation_checkpointing,
+            "compile": compile, "planner": planner, "repeats": repeats, "warmup": warmup,
+            "device": str(device), "num_ranks": ranks, "with_entropy": with_entropy, "peak_flops": peak,
+        },  # fmt: skip
+        "micro_batches": {
+            "count": len(mbs),
+            "tokens": [mb.num_tokens for mb in mbs],
+            "num_seqs": [mb.num_seqs for mb in mbs],
+        },
+        "phases": phases,
+        "train_metrics": {k: v for k, v in last_metrics.items() if k.startswith("actor/")},
+        "env": env_info(),
+    }
+    result["metrics"] = perf_metrics(phases)
+    del engine, model
+    _free(device)
+    return result
+
+
+def _pin(mb: PackedBatch) -> PackedBatch:
+    pinned = {
+        f.name: getattr(mb, f.name).pin_memory()
+        for f in dataclasses.fields(mb)
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
+    return mb.with_(**pinned)
+
+
+def memory_curve(
+    preset: str,
+    tokens_per_mb_list: Sequence[int],
+    seq_len: int = 4096,
+    backend: str = "local",
+    dtype: torch.dtype = torch.bfloat16,
+    activation_checkpointing: str = "none",
+    compile: bool = False,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> dict:
+    """Peak memory of one fwd+bwd micro-batch of N tokens (sequences of `seq_len`) for each N.
+
+    One optimizer step runs first so AdamW state exists, as in steady-state training; the
+    peak therefore includes parameters, gradients and optimizer state. An N that runs out of
+    memory is recorded as "oom" and larger N are skipped.
+    """
+    device = resolve_device(device, backend)
+    cfg = get_preset(preset)
+    model = _build_model(cfg, device, seed)
+    max_n = max(tokens_per_mb_list)
+    engine = build_engine_for_bench(model, backend, device, dtype, max_n, activation_checkpointing, compile)
+    device = engine.device
+    loss_fn = BenchLoss()
+
+    def one_micro_batch(n: int) -> PackedBatch:
+        full, rest = divmod(n, seq_len)
+        lens = [seq_len] * full + ([rest] if rest else [])
+        # Half prompt, half response per sequence (prompt >= 1 token).
+        return batch_from_lengths([(max(1, s // 2), s - max(1, s // 2)) for s in lens], cfg.vocab_size, seed=seed)
+
+    # Warm-up step: allocates gradients and AdamW state.
+    engine.forward_backward([one_micro_batch(min(seq_len, max_n))], loss_fn, max_response_len=seq_len)
+    engine.optim_step()
+    points = []
+    failed = False
+    for n in tokens_per_mb_list:
+        if failed:
+            points.append({"tokens": n, "status": "skipped", "peak_memory_gib": None})
+            continue
+        mb = one_micro_batch(n)
+        try:
+            seconds, peak = time_once(lambda: engine.forward_backward([mb], loss_fn, max_response_len=seq_len), device)
+            points.append({"tokens": n, "status": "ok", "time_s": seconds,
+                           "peak_memory_gib": peak / _GIB if peak is not None else None})  # fmt: skip
+        except (torch.OutOfMemoryError, OutOfMemory):
+            failed = True
+            points.append({"tokens": n, "status": "oom", "peak_memory_gib": None})
+        engine.optim_step()  # clears gradients (a step on random weights is harmless)
+        _free(device)
+    fits = [p["tokens"] for p in points if p["status"] == "ok"]
+    result = {
+        "kind": "memory_curve", "preset": preset, "seq_len": seq_len, "backend": backend,
+        "dtype": str(dtype).removeprefix("torch."), "activation_checkpointing": activation_checkpointing,
+        "points": points, "largest_fitting_tokens": max(fits) if fits else None, "env": env_info(),
+    }  # fmt: skip
+    del engine, model
+    _free(device)
+    return result
+
+
+def logprob_memory_check(
+    num_tokens: int = 65536,
+    vocab_size: int = 151936,
+    hidden_size: int = 2048,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    check_rows: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Peak extra memory and time of fused linear -> log-prob fwd+bwd at (num_tokens x vocab_size).
+
+    The naive path would hold (T, V) fp32 logits (plus their log_softmax); the fused op should
+    need a small fraction of one such copy. The first `check_rows` log-probs are compared with
+    a float64 log_softmax reference so a fast but wrong kernel cannot pass.
+    """
+    from slipstream.ops.logprobs import linear_logprobs
+
+    device = resolve_device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen, device=device).to(dtype).requires_grad_()
+    weight = (0.02 * torch.randn(vocab_size, hidden_size, generator=gen, device=device)).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab_size, (num_tokens,), generator=gen, device=device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    out: dict = {}
+
+    def fwd_bwd() -> None:
+        logprobs, _ = linear_logprobs(hidden, weight, targets)
+        logprobs.sum().backward()
+        out["logprobs"] = logprobs.detach()
+
+    seconds, peak = time_once(fwd_bwd, device)
+    rows = min(check_rows, num_tokens)
+    ref = torch.log_softmax(hidden[:rows].detach().double() @ weight.detach().double().T, dim=-1)
+    ref = ref.gather(1, targets[:rows, None]).squeeze(1)
+    max_err = float((out["logprobs"][:rows].double() - ref).abs().max())
+    logits_fp32 = num_tokens * vocab_size * 4
+    result = {
+        "kind": "logprob_memory", "num_tokens": num_tokens, "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "dtype": str(dtype).removeprefix("torch."), "time_s": seconds, "max_abs_err_vs_fp64": max_err,
+        "naive_logits_fp32_gib": logits_fp32 / _GIB,
+        "extra_peak_gib": (peak - base) / _GIB if peak is not None else None,
+    }  # fmt: skip
+    del hidden, weight, targets, out
+    _free(device)
+    return result

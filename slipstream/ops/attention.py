@@ -1,0 +1,181 @@
+"""Attention dispatch: packed variable-length causal attention and padded/cached attention.
+
+Packed layout (training and log-prob passes): q (T, Hq, D), k/v (T, Hkv, D) hold several
+sequences back to back; `cu_seqlens` (n+1,) int32 marks where each starts. A token may only
+attend to earlier tokens of its own sequence.
+
+Backends, chosen per call by `select_backend`:
+  "varlen" torch.nn.attention.varlen.varlen_attn (FlashAttention, CUDA, fp16/bf16, torch>=2.10)
+  "flex"   flex_attention with a document-causal block mask (CUDA, any float dtype)
+  "sdpa"   one F.scaled_dot_product_attention call per sequence: the simple reference path
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("varlen", "flex", "sdpa")
+
+
+@lru_cache(maxsize=1)
+def _varlen_fn():
+    """Return (varlen_attn, accepted keyword names) or None when this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@lru_cache(maxsize=1)
+def _flex_fns():
+    """Return (compiled flex_attention, create_block_mask) or None when unavailable."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    # Uncompiled flex attention materialises the full score matrix; compiling is what
+    # turns it into a fused kernel that skips masked blocks.
+    return torch.compile(flex_attention), create_block_mask
+
+
+def select_backend(q: torch.Tensor) -> str:
+    """Pick the fastest backend that supports this device and dtype."""
+    if q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None:
+            return "varlen"
+        if _flex_fns() is not None:
+            return "flex"
+    return "sdpa"
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence: (T, Hq, D), (T, Hkv, D) x2 -> (T, Hq, D)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"expected (T, H, D) tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
+    backend = backend or select_backend(q)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "varlen":
+        return _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+    if backend == "flex":
+        return _flex_attention(q, k, v, cu_seqlens, scale)
+    return sdpa_varlen_attention(q, k, v, cu_seqlens, scale)
+
+
+def sdpa_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference path: one causal SDPA call per sequence (simple, correct, any device)."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()  # one host sync; fine for the CPU / fallback path
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        # SDPA wants (..., H, L, D); enable_gqa lets kv heads be shared without a repeat copy.
+        qs = q[start:end].transpose(0, 1)
+        ks = k[start:end].transpose(0, 1)
+        vs = v[start:end].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+    found = _varlen_fn()
+    if found is None:
+        raise ValueError("backend 'varlen' needs torch>=2.10 (torch.nn.attention.varlen)")
+    varlen_attn, params = found
+    kwargs = {}
+    # torch 2.10 spelled causality `is_causal=True`; 2.11+ uses a sliding window (-1, 0).
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            # Older kernels need equal head counts: query head h reads kv head h // group,
+            # which is what repeat_interleave on the head dim produces (same as HF repeat_kv).
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:
+            # Fold a non-default scale into q: the kernel always multiplies by 1/sqrt(D).
+            q = q * (scale * math.sqrt(q.shape[-1]))
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _flex_attention(q, k, v, cu_seqlens, scale):
+    found = _flex_fns()
+    if found is None:
+        raise ValueError("backend 'flex' needs torch.nn.attention.flex_attention")
+    flex, create_block_mask = found
+    total = q.shape[0]
+    # doc_id[t] = index of the sequence that token t belongs to.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device, torch.int64)
+    doc_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+    assert doc_id.numel() == total, "cu_seqlens does not cover the packed tokens"
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
+
+    # _compile builds the block mask without materialising a (T, T) boolean matrix.
+    mask = create_block_mask(document_causal, None, None, total, total, device=q.device, _compile=q.is_cuda)
+    out = flex(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Padded attention for decoding: q (B, Hq, S, D) over k/v (B, Hkv, L, D) -> (B, Hq, S, D).
+
+    `allowed` (B, S, L) bool says which key slots each query may read. Every query row must
+    allow at least one slot, otherwise softmax over nothing yields NaN.
+    """
+    if allowed.shape != (q.shape[0], q.shape[2], k.shape[2]):
+        raise ValueError(
+            f"allowed mask shape {tuple(allowed.shape)} != (B, S, L) = "
+            f"{(q.shape[0], q.shape[2], k.shape[2])}"
+        )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed.unsqueeze(1), scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
