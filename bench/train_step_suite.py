@@ -28,21 +28,24 @@ CURVE_TOKENS = [16384, 32768, 49152, 65536, 98304, 131072]
 # name -> (function, kwargs, timeout cap in seconds). Order = priority: the comparison the
 # ">= 1.8x" goal needs comes first, then model sizes, then the slower / riskier variants.
 VARIANTS: dict[str, tuple[str, dict, int]] = {
-    "w1-1.7b-cap16k": ("train_step", dict(workload="W1", max_tokens_per_mb=16384, activation_checkpointing="none"), 90),
+    # slipstream on W1 (qwen3-1.7b): the local backend (bf16 autocast over fp32 weights), FSDP2 at
+    # world size 1 (bf16 params via MixedPrecisionPolicy, fp32 master + reduction), then + compile.
+    "w1-1.7b-local-16k": ("train_step", dict(workload="W1", backend="local", max_tokens_per_mb=16384), 100),
+    "w1-1.7b-fsdp-16k": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=16384), 100),
+    "w1-1.7b-fsdp-32k-compile": (
+        "train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=32768, compile=True), 150,
+    ),  # fmt: skip
     "naive-1.7b": ("naive", dict(workload="W1", micro_batch_size=4), 150),
-    "w1-1.7b-cap32k-sel": ("train_step", dict(workload="W1", max_tokens_per_mb=32768, activation_checkpointing="selective"), 90),
     "logprob-65536x151936": ("logprob", dict(num_tokens=65536, vocab_size=151936, hidden_size=2048), 60),
-    "memcurve-1.7b": ("memory_curve", dict(preset="qwen3-1.7b", tokens_per_mb_list=CURVE_TOKENS), 90),
-    "w1-0.6b": ("train_step", dict(workload="W1-0.6b", max_tokens_per_mb=16384, activation_checkpointing="none"), 60),
-    "w1-4b": ("train_step", dict(workload="W1-4b", max_tokens_per_mb=16384, activation_checkpointing="selective"), 150),
-    "w1-1.7b-cap64k-full": ("train_step", dict(workload="W1", max_tokens_per_mb=65536, activation_checkpointing="full"), 90),
+    "memcurve-1.7b": ("memory_curve", dict(preset="qwen3-1.7b", tokens_per_mb_list=CURVE_TOKENS, backend="fsdp",
+                                           activation_checkpointing="full"), 120),
+    "w1-0.6b-fsdp-compile": ("train_step", dict(workload="W1-0.6b", backend="fsdp", max_tokens_per_mb=32768, compile=True), 100),
+    "w1-4b-fsdp-compile": ("train_step", dict(workload="W1-4b", backend="fsdp", max_tokens_per_mb=32768, compile=True,
+                                              activation_checkpointing="selective"), 150),
     # fp32 master weights + grads + AdamW of 8B are ~122 GiB: expected to OOM on one GPU
     # (recorded as such); the real 8B number needs --backend fsdp over >= 2 GPUs.
-    "w1-8b": ("train_step", dict(workload="W1-8b", max_tokens_per_mb=8192, activation_checkpointing="full"), 90),
-    # Last: compile time is unknown (the warm-up absorbs it); runs only if budget is left.
-    "w1-1.7b-cap16k-compile": (
-        "train_step", dict(workload="W1", max_tokens_per_mb=16384, activation_checkpointing="none", compile=True), 150,
-    ),  # fmt: skip
+    "w1-8b-fsdp": ("train_step", dict(workload="W1-8b", backend="fsdp", max_tokens_per_mb=16384,
+                                      activation_checkpointing="full"), 120),
 }
 NAIVE_FALLBACK_MBS = 2  # when 4 padded sequences per micro-batch do not fit
 SMOKE_ENV = "SLIPSTREAM_SUITE_SMOKE"

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
+
+    from slipstream.bench.cli import add_bench_parser  # argparse only; torch is imported by the command
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -82,8 +82,8 @@ class RolloutSection:
 class RewardSection:
     """Scoring of completions."""
 
-    functions: list[str] = field(default_factory=lambda: ["math"])
-    """Reward names (math, exact, format, countdown) or custom "module:function" / "file.py:function"."""
+    functions: list[str] = field(default_factory=list)
+    """Reward names (math, exact, format, countdown) or custom "module:function" / "file.py:function"; empty: the task's own reward, or math for datasets."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty means all 1.0."""
     num_workers: int = 1
@@ -103,7 +103,7 @@ class AlgoSection:
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
     """Advantage estimator."""
     std_normalize: bool = True
-    """Divide group-centred rewards by the group std (False = Dr.GRPO)."""
+    """GRPO only: divide group-centred rewards by the group std (False = Dr.GRPO)."""
     clip_low: float = 0.2
     """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
@@ -132,8 +132,16 @@ class AlgoSection:
 class ActorSection:
     """The policy update: backend, optimizer, micro-batching."""
 
-    backend: Literal["local"] = "local"
-    """Training backend; "local" runs in one process on the CPU or one GPU."""
+    backend: Literal["local", "fsdp"] = "local"
+    """Training backend: "local" (one process, CPU or one GPU) or "fsdp" (FSDP2; launch N GPUs with torchrun)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (attention / MLP inner ops) or full (every block)."""
+    compile: bool = False
+    """torch.compile each transformer block (fsdp backend)."""
+    offload_params: bool = False
+    """Keep actor parameters and optimizer state on the CPU between uses (FSDP2 CPUOffloadPolicy)."""
+    offload_ref: bool = False
+    """Keep the reference model on the CPU (by default it stays on the GPU when it fits)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -235,8 +243,6 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0, got {a.clip_low}, {a.clip_high}")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ValueError(f"algo.dual_clip_c must be > 1 when set, got {a.dual_clip_c}")
-    if not rw.functions:
-        raise ValueError("reward.functions must name at least one reward")
     if rw.weights and len(rw.weights) != len(rw.functions):
         raise ValueError(
             f"reward.weights has {len(rw.weights)} entries for {len(rw.functions)} reward.functions"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.algo.advantages import broadcast_to_tokens, get_advantage_fn
+from slipstream.algo.advantages import get_advantage_fn
 from slipstream.algo.losses import LossSpec, policy_loss
 from slipstream.batching.packing import pack_samples, scatter_per_token, select
 from slipstream.batching.planner import plan_micro_batches, split_minibatches
@@ -86,13 +86,15 @@ class RLTrainer:
         )
         self.prompts = PromptSource(cfg, self.tokenizer)
         self.rewards = RewardRunner(
-            list(zip(self.prompts.reward_functions(), cfg.reward.weights or [1.0] * len(cfg.reward.functions))),
+            list(zip(self.prompts.reward_functions(), cfg.reward.weights or [1.0] * len(self.prompts.reward_functions()))),
             num_workers=cfg.reward.num_workers,
             timeout_s=cfg.reward.timeout_s,
             on_error=cfg.reward.on_error,
             error_score=cfg.reward.error_score,
         )
-        self.advantage_fn = get_advantage_fn(cfg.algo.advantage)
+        # std_normalize is GRPO's switch (False = Dr.GRPO); the other estimators use their own default
+        adv_options = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
+        self.advantage_fn = get_advantage_fn(cfg.algo.advantage, **adv_options)
         self.loss_fn = PolicyLoss(
             LossSpec(
                 clip_low=cfg.algo.clip_low,
@@ -169,7 +171,7 @@ class RLTrainer:
                 samples = self._score(samples)
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             group_ids = torch.tensor([s.group_id for s in samples])
-            seq_adv = self.advantage_fn(rewards, group_ids, std_normalize=cfg.algo.std_normalize)
+            seq_adv = self.advantage_fn(rewards, group_ids)
             batch = pack_samples(samples, seq_adv, indices=list(range(len(samples))))
             batch = self._attach_logprobs(batch, timer)
             with timer.phase("actor_train"):

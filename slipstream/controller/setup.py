@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import random
 from pathlib import Path
@@ -35,6 +36,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_path(path: str) -> str:
+    """"pkg:<module>/<file>" names a file shipped inside an installed Python package (e.g. a GGUF model)."""
+    if not path.startswith("pkg:"):
+        return path
+    module, _, rel = path.removeprefix("pkg:").partition("/")
+    try:
+        root = importlib.resources.files(module)
+    except ModuleNotFoundError:
+        raise ValueError(f"{path!r}: Python package {module!r} is not installed (pip install {module.replace('_', '-')})")
+    target = root / rel
+    if not target.is_file() and not target.is_dir():
+        raise ValueError(f"{path!r}: {rel!r} not found in package {module!r}")
+    return str(target)
+
+
 def build_tokenizer(cfg: Config):
     """The tokenizer named by model.tokenizer, else the checkpoint's, else the built-in char tokenizer."""
     name = cfg.model.tokenizer
@@ -42,13 +58,13 @@ def build_tokenizer(cfg: Config):
         name = cfg.model.path or "char"
     if name == "char":
         return build_char_tokenizer()
-    return load_tokenizer(name)
+    return load_tokenizer(resolve_path(name))
 
 
 def build_policy(cfg: Config, vocab_size: int) -> tuple[Transformer, ModelConfig]:
     """Load model.path (HF dir or .gguf) or build model.preset with random weights, in fp32."""
     if cfg.model.path:
-        model, model_cfg = hf.load_pretrained(cfg.model.path, dtype=torch.float32, device="cpu")
+        model, model_cfg = hf.load_pretrained(resolve_path(cfg.model.path), dtype=torch.float32, device="cpu")
     else:
         model_cfg = get_preset(cfg.model.preset)
         model = Transformer(model_cfg)

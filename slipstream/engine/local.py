@@ -26,8 +26,8 @@ class OutOfMemory(RuntimeError):
     """Raised with the setting to change when a micro-batch does not fit."""
 
 
-def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
-    """Global loss denominators of a minibatch from its CPU-side masks (no device sync).
+def count_loss_tokens(micro_batches: Sequence[PackedBatch]) -> tuple[int, int]:
+    """(loss tokens, sequences with at least one loss token) of micro-batches, from CPU-side masks.
 
     A sequence counts for the seq-mean modes when it has at least one loss token, so padding
     sequences and empty responses do not dilute the mean.
@@ -39,11 +39,26 @@ def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> L
         num_tokens += int(mask.sum())
         has_tokens = torch.zeros(mb.num_seqs, dtype=torch.bool).index_fill_(0, mb.seq_index.cpu()[mask], True)
         num_seqs += int(has_tokens.sum())
+    return num_tokens, num_seqs
+
+
+def make_norm(num_tokens: float, num_seqs: float, max_response_len: int) -> LossNorm:
+    """LossNorm from global counts; an empty minibatch divides by 1 (its numerator is 0 too)."""
     return LossNorm(num_loss_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1), max_response_len=max_response_len)
 
 
+def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
+    """Global loss denominators of a single-process minibatch from its CPU-side masks (no device sync)."""
+    return make_norm(*count_loss_tokens(micro_batches), max_response_len)
+
+
 class LocalEngine:
-    """TrainEngine for a single device. `actor=None` builds a frozen, forward-only engine (reference model)."""
+    """TrainEngine for a single device. `actor=None` builds a frozen, forward-only engine (reference model).
+
+    FSDPEngine subclasses it and overrides only the hooks below the public methods (model
+    placement, autocast, the cross-rank reductions, gradient clipping), so both backends run
+    the same training step.
+    """
 
     def __init__(
         self,
@@ -54,7 +69,6 @@ class LocalEngine:
         actor: ActorSection | None = None,
     ) -> None:
         self.device = device
-        self.model = model.to(device=device, dtype=torch.float32)
         self.compute_dtype = compute_dtype
         self.temperature = temperature
         self.actor = actor
@@ -62,7 +76,9 @@ class LocalEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         if actor is None:
-            self.model.requires_grad_(False)
+            model.requires_grad_(False)
+        self.model = self._place_model(model)
+        if actor is None:
             self.model.eval()
             return
         self.optimizer = torch.optim.AdamW(
@@ -71,12 +87,33 @@ class LocalEngine:
             betas=tuple(actor.betas),
             eps=actor.eps,
             weight_decay=actor.weight_decay,
-            fused=device.type == "cuda",
+            fused=self._fused_optimizer(),
         )
         warmup = max(actor.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
+
+    # ------------------------------------------------------------------ backend hooks
+    def _place_model(self, model: Transformer) -> Transformer:
+        """Put the fp32 master weights where training happens."""
+        return model.to(device=self.device, dtype=torch.float32)
+
+    def _fused_optimizer(self) -> bool:
+        """Fused AdamW kernels when the parameters live on the GPU."""
+        return self.device.type == "cuda"
+
+    def _global_norm(self, micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
+        """Loss denominators of the whole minibatch (one process here: just count)."""
+        return count_norm(micro_batches, max_response_len)
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum per-rank metric partials over data-parallel ranks (one process here: identity)."""
+        return values
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clip gradients to `max_norm` and return the (pre-clip) global norm."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -86,7 +123,9 @@ class LocalEngine:
     def _logprobs(self, mb: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._autocast():
             hidden = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-        weight = self.model.lm_head_weight.to(hidden.dtype)
+        # under autocast the final norm returns fp32; the LM-head matmul must run in the compute dtype
+        hidden = hidden.to(self.compute_dtype)
+        weight = self.model.lm_head_weight.to(self.compute_dtype)
         return linear_logprobs(
             hidden, weight, mb.targets, temperature=self.temperature, with_entropy=with_entropy,
             chunk_size=self.chunk_size,
@@ -104,7 +143,7 @@ class LocalEngine:
     def forward_backward(self, micro_batches: Sequence[PackedBatch], loss_fn: LossFn, *, max_response_len: int) -> dict[str, float]:
         assert self.optimizer is not None, "forward_backward on a frozen engine"
         self.model.train()
-        norm = count_norm(micro_batches, max_response_len)
+        norm = self._global_norm(micro_batches, max_response_len)
         totals: dict[str, torch.Tensor] = {}
         with _oom_advice("actor.max_tokens_per_mb", micro_batches):
             for mb in micro_batches:
@@ -114,9 +153,12 @@ class LocalEngine:
                 loss.backward()
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
-        # one host sync for all metrics of the minibatch
-        keys = list(totals)
-        values = torch.stack([torch.as_tensor(totals[k], device=self.device) for k in keys]).tolist() if keys else []
+        # one host sync for all metrics of the minibatch (sorted keys: the same order on every rank)
+        keys = sorted(totals)
+        values = []
+        if keys:
+            values = self._sum_over_ranks(torch.stack([torch.as_tensor(totals[k], device=self.device) for k in keys]))
+            values = values.tolist()
         result = dict(zip(keys, values))
         result["actor/num_loss_tokens"] = float(norm.num_loss_tokens)
         result["actor/num_micro_batches"] = float(len(micro_batches))
@@ -125,7 +167,7 @@ class LocalEngine:
     def optim_step(self) -> dict[str, float]:
         assert self.optimizer is not None and self.actor is not None
         max_norm = self.actor.grad_clip if self.actor.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = self._clip_grad_norm(max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
             self.optimizer.step()

@@ -140,7 +140,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:  # per-head norm over head_dim, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # the norms and the fp32 rotation upcast q and k under autocast; attention kernels want one dtype
+        return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
     def forward(self, x, cos, sin, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
