@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config
 from slipstream.controller import setup
 from slipstream.controller.prompts import PromptSource
-from slipstream.engine.local import LocalEngine
+from slipstream.engine.factory import build_engine
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
@@ -56,6 +57,12 @@ class PolicyLoss:
 class RLTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                "slipstream train runs as one process for now (CPU or one GPU, local or fsdp backend); "
+                "multi-GPU RL runs are not wired into the loop yet. `slipstream bench train-step "
+                "--backend fsdp` does run under torchrun."
+            )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
         self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
@@ -66,11 +73,14 @@ class RLTrainer:
         compute_dtype = setup.DTYPES[cfg.model.dtype]
         temperature = cfg.rollout.temperature
         ref_model = None
-        if cfg.algo.kl_coef > 0:  # the reference is the initial policy, frozen
-            ref_model = type(model)(self.model_cfg)
+        if cfg.algo.kl_coef > 0:  # the reference is the initial policy, frozen; copied before
+            ref_model = type(model)(self.model_cfg)  # parallelize() rewrites the actor in place
             ref_model.load_state_dict(model.state_dict())
-        self.engine = LocalEngine(model, self.device, compute_dtype, temperature, actor=cfg.actor)
-        self.ref = LocalEngine(ref_model, self.device, compute_dtype, temperature) if ref_model is not None else None
+        self.engine = build_engine(model, self.device, compute_dtype, temperature, cfg.actor)
+        self.device = self.engine.device
+        self.ref = None
+        if ref_model is not None:
+            self.ref = build_engine(ref_model, self.device, compute_dtype, temperature, cfg.actor, forward_only=True)
 
         rollout_dtype = compute_dtype if self.device.type == "cuda" else torch.float32
         self.rollout = BuiltinRollout(
@@ -151,7 +161,8 @@ class RLTrainer:
         if interrupted:
             raise KeyboardInterrupt
         if self.cfg.trainer.export_hf:
-            out = hf.save_pretrained(self.engine.model, self.model_cfg, self.run_dir / "hf")
+            weights = {hf.from_hf_name(name): t for name, t in self.engine.export_weights()}
+            out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf")
             self.tokenizer.save_pretrained(str(self.run_dir / "hf"))
             log.info("exported the policy as an HF checkpoint to %s", out)
 
@@ -241,6 +252,12 @@ class RLTrainer:
 
     def _sample_metrics(self, samples: list[Sample], rewards: torch.Tensor) -> dict[str, float]:
         resp = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        # unweighted score of each reward function (CombinedReward puts them in reward_info)
+        per_fn: dict[str, list[float]] = {}
+        for s in samples:
+            for name, value in s.reward_info.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    per_fn.setdefault(name, []).append(float(value))
         group = rewards.view(-1, self.cfg.rollout.group_size)
         return {
             "reward/mean": float(rewards.mean()),
@@ -252,6 +269,7 @@ class RLTrainer:
             "rollout/response_len_max": float(resp.max()),
             "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples),
             "rollout/policy_version": float(self.step_num - 1),
+            **{f"reward/{name}": sum(v) / len(v) for name, v in per_fn.items() if len(v) == len(samples)},
         }
 
     # ------------------------------------------------------------------ checkpoints

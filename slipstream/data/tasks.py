@@ -136,8 +136,8 @@ class SumMod10Task:
     alphabet: str = "0123456789+="
 
     def __post_init__(self) -> None:
-        if not 2 <= self.num_terms <= 16:
-            raise ValueError(f"sum-mod10 num_terms must be in 2..16, got {self.num_terms}")
+        if not 1 <= self.num_terms <= 16:
+            raise ValueError(f"sum-mod10 num_terms must be in 1..16, got {self.num_terms}")
 
     def sample(self, rng: random.Random) -> PromptRecord:
         terms = [rng.randint(0, 9) for _ in range(self.num_terms)]
