@@ -35,6 +35,11 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     "w1-1.7b-fsdp-32k-compile": (
         "train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=32768, compile=True), 150,
     ),  # fmt: skip
+    # closer to the naive loop's memory: selective / full recompute at the same budget
+    "w1-1.7b-fsdp-32k-compile-sel": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=32768,
+                                                        compile=True, activation_checkpointing="selective"), 150),
+    "w1-1.7b-fsdp-32k-compile-full": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=32768,
+                                                         compile=True, activation_checkpointing="full"), 150),
     "naive-1.7b": ("naive", dict(workload="W1", micro_batch_size=4), 150),
     "logprob-65536x151936": ("logprob", dict(num_tokens=65536, vocab_size=151936, hidden_size=2048), 60),
     "memcurve-1.7b": ("memory_curve", dict(preset="qwen3-1.7b", tokens_per_mb_list=CURVE_TOKENS, backend="fsdp",
