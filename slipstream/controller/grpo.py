@@ -150,8 +150,9 @@ class RLTrainer:
             interrupted = True
             log.warning("interrupted at step %d: saving a checkpoint", self.step_num)
         except NonFiniteLoss:
-            log.error("stopping: non-finite loss or gradient at step %d (checkpoint of the last good step kept)",
-                      self.step_num)
+            log.error("stopping: non-finite loss or gradient at step %d; the optimizer step was skipped. "
+                      "Lower actor.lr or check the rewards; a rerun resumes from the last checkpoint "
+                      "(trainer.save_every)", self.step_num + 1)
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)

@@ -31,3 +31,8 @@ def misbehaving_reward(completion: str, answer: str | None, prompt: str) -> floa
     if completion == "nan":
         return float("nan")
     return float(len(completion))
+
+
+def always_raising_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """Raises on every call (used by the end-to-end failure test)."""
+    raise RuntimeError("this reward always fails")

@@ -1,0 +1,55 @@
+"""The run fails loudly and usefully: NaN stops it, OOM names the setting, a bad reward never kills it."""
+
+import json
+
+import pytest
+import torch
+
+from slipstream.config import load_config
+from slipstream.controller.grpo import NonFiniteLoss, RLTrainer
+from slipstream.engine.local import OutOfMemory
+
+BASE = ["trainer.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+
+
+def _trainer(tmp_path, *extra):
+    return RLTrainer(load_config("recipes/demo.yaml", [f"trainer.run_dir={tmp_path}", *BASE, *extra]))
+
+
+def test_non_finite_gradient_stops_the_run(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "trainer.total_steps=3")
+    real = trainer.engine.optim_step
+
+    def nan_on_second_step():
+        metrics = real()
+        if trainer.step_num == 1:
+            metrics["actor/grad_norm"] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(trainer.engine, "optim_step", nan_on_second_step)
+    with pytest.raises(NonFiniteLoss, match="non-finite"):
+        trainer.fit()
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1  # step 1 was logged, the bad step was not
+
+
+def test_out_of_memory_names_the_setting(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "trainer.total_steps=1")
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(trainer.engine.model, "forward", oom)
+    with pytest.raises(OutOfMemory, match="lower actor.max_tokens_per_mb"):
+        trainer.step()
+
+
+def test_raising_reward_is_scored_and_the_run_goes_on(tmp_path):
+    trainer = _trainer(
+        tmp_path, "trainer.total_steps=2", "reward.functions=[tests/unit/rewards_fixtures.py:always_raising_reward]",
+        "reward.timeout_s=5",
+    )
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/error_frac"] for r in rows] == [1.0, 1.0]
+    assert all(r["reward/mean"] == 0.0 for r in rows)
