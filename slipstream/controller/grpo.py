@@ -19,14 +19,14 @@ import torch
 from slipstream.algo.advantages import get_advantage_fn
 from slipstream.algo.losses import LossSpec, policy_loss
 from slipstream.batching.packing import pack_samples, scatter_per_token, select
-from slipstream.batching.planner import plan_micro_batches, split_minibatches
+from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.checkpoint.manager import CheckpointManager
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config
 from slipstream.controller import setup
 from slipstream.controller.prompts import PromptSource
-from slipstream.engine.factory import build_engine
+from slipstream.engine.factory import build_engine, local_micro_batches
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
@@ -216,9 +216,12 @@ class RLTrainer:
         ]
 
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        plan = plan_micro_batches(batch.seq_lens(), self.cfg.actor.max_tokens_per_mb, num_ranks=1,
-                                  algorithm=self.cfg.actor.planner)
-        return [select(batch, ids) for ids in plan.assignments[0] if ids]
+        """Token-budget micro-batches balanced by estimated work (linear + attention term of this model)."""
+        mbs, _ = local_micro_batches(
+            batch, self.cfg.actor.max_tokens_per_mb, planner=self.cfg.actor.planner,
+            quadratic_scale=quadratic_scale_for(self.model_cfg),
+        )
+        return mbs
 
     def _attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
         """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""

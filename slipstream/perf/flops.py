@@ -17,22 +17,30 @@ same wall time - which is the point of the number.
 
 How peers differ (read when comparing their MFU with ours):
 
-- verl `verl/utils/flops_counter.py` (`_estimate_qwen2_flops`, also used for llama/qwen3; read
-  at commit 02cf355f):
+- verl `verl/utils/flops_counter.py` (`_estimate_qwen2_flops`, also used for llama/qwen3):
   dense part `6 * N_verl * tokens` with `N_verl = L * (attn_linear + mlp) + 2 * V * h`, i.e. it
   counts the embedding as a matmul *and* the LM head separately, even when they are tied; its
-  attention part is `12 * sum(s^2) * d * H * L` (full, non-causal attention). REFERENCES.md notes
-  that the attention term was 2x too high "until early 2026", after which verl uses
-  `6 * sum(s^2) * d * H * L`, the same as ours. So verl's count exceeds ours by `6 * V * h` per
-  token always (about 18% of the dense FLOPs for Qwen3-1.7B) and by 2x on attention in older
-  versions: verl MFU reads higher than slipstream MFU for the same run.
+  q/k/v/o and MLP weights are the same as ours. Its attention part was
+  `12 * sum(s^2) * d * H * L` (full, non-causal attention; e.g. at commit 02cf355f1,
+  2025-12-30) until commit 54582f1f0 (2026-01-18, PR #4959), after which it is
+  `6 * sum(s^2) * d * H * L`, the same as ours. So verl's count exceeds ours by exactly
+  `6 * V * h` per token always (V*h is about 18% of N for Qwen3-1.7B, 26% for Qwen3-0.6B) and
+  by 2x on attention in older versions: verl MFU reads higher than slipstream MFU for the
+  same run.
 - slime / Miles `slime/utils/flops_utils.py` (`calculate_fwd_flops`, forward only; train is
-  `3 * fwd`): excludes the embedding and includes the LM head like us. Attention is
-  `H * s^2 * d` for QK^T (halved for causality) plus `H * s^2 * d` for AV (not halved); the sum,
-  `2 * H * d * s^2` forward, equals ours. Two projection terms differ: the K/V projection uses
-  `h * (H // n_kv_heads) * d` (heads per group) instead of `h * 2 * n_kv_heads * d`, and the
-  output projection uses `h * h` instead of `H * d * h`. For Qwen3-1.7B (16 heads, 8 KV heads,
-  H * d == h) slime undercounts K/V by 8x; its numbers come out slightly below ours.
+  `3 * fwd` in `slime/observability/train_metric_utils.py`; read at 55d3e4164, 2026-05-29,
+  unchanged through 2026-08-21): excludes the embedding and includes the LM head like us.
+  Attention is `H * s^2 * d` for QK^T plus `H * s^2 * d` for AV (both causal halves of
+  2 FLOPs per MAC); the sum, `2 * H * d * s^2` forward, equals ours. Q and K/V projections
+  use `kv_channels` (= head_dim) and the KV-group count, `h * (H + 2 * n_kv_heads) * d`, equal
+  to ours. The one difference is the output projection, `h * h` instead of `H * d * h`: slime
+  minus ours is `6 * L * h * (h - H * d)` per token. It is zero when `H * d == h`
+  (Qwen3-1.7B, Llama-3.2-1B) and negative when `H * d > h` (about -5% of the dense FLOPs
+  for Qwen3-0.6B, -3.5% for Qwen3-4B): on these presets slime MFU reads at or below ours.
+  Older slime differed more: its first version (2025-06) used `head_dim = h // H` in every
+  term and full (non-causal) attention; 8ef0187b2 (2025-12-12) halved QK^T only; before
+  55d3e4164 the MLA branches were chosen by MLA-only fields (q_lora_rank,
+  qk_pos_emb_head_dim, ...) being set, not by `multi_latent_attention`.
 """
 
 from __future__ import annotations
