@@ -1,4 +1,4 @@
-"""`slipstream bench train-step`: argument parsing (light) and result tables (rich).
+"""`slipstream bench train-step` and `bench matrix`: argument parsing (light) and result tables (rich).
 
 Only argparse runs at import time; torch, transformers and the benchmarks are imported
 inside the command, so `slipstream --help` stays fast.
@@ -23,7 +23,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` with its `train-step` sub-command on the top-level subparsers."""
+    """Register `bench` with its `train-step` and `matrix` sub-commands on the top-level subparsers."""
     bench = subparsers.add_parser("bench", help="measure the training step (and baselines) on fixed workloads")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("train-step", help="time the actor update and log-prob pass of one workload")
@@ -44,6 +44,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="also measure peak memory of one fwd+bwd micro-batch of each token count")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write all results as one JSON object here")
     p.set_defaults(func=run_train_step)
+    m = sub.add_parser("matrix", help="run a {workload} x {framework} x {backend} matrix from a YAML spec")
+    m.add_argument("spec", type=Path, help="matrix spec YAML (see bench/matrix_w1.yaml)")
+    m.add_argument("--out", type=Path, default=Path("bench_results/matrix"),
+                   help="directory for results.jsonl, matrix.md and the PNGs (default bench_results/matrix)")  # fmt: skip
+    m.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.jsonl, run nothing")
+    m.set_defaults(func=run_matrix_command)
     return p
 
 
@@ -87,6 +93,25 @@ def run_train_step(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
     print_results(results)
+    return 0
+
+
+def run_matrix_command(args: argparse.Namespace) -> int:
+    """Entry point of `slipstream bench matrix`."""
+    from slipstream.bench.matrix import load_spec, run_matrix
+    from slipstream.bench.report import write_matrix_report
+
+    results = args.out / "results.jsonl"
+    try:
+        if not args.report_only:
+            spec = load_spec(args.spec)
+            run_matrix(spec, results, log=print)
+        paths = write_matrix_report(results, args.out)
+    except ValueError as err:
+        print(f"bench error: {err}", file=sys.stderr)
+        return 2
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 

@@ -1,0 +1,181 @@
+"""Report of a benchmark matrix: a markdown table plus three PNGs, drawn from its results JSONL.
+
+  matrix.md      environment, held-constant settings, the result table (with real-token speed-up
+                 over the TRL cell of the same workload), unmeasured cells with their reasons,
+                 and the fairness checklist of every measured cell
+  phases.png     time per phase (actor update stacked on the log-prob pass) per cell
+  mfu.png        actor-update MFU per cell
+  memory.png     peak memory of each phase per cell
+
+Figures are built with `matplotlib.figure.Figure` (Agg canvas, no pyplot state), so this
+runs headless. Cells that were not measured appear on the plots' axes with their status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from slipstream.bench.matrix import read_rows
+
+PHASES = ("actor_train", "log_probs")
+_GIB_NONE = "-"
+
+
+def _fmt(value, spec: str) -> str:
+    return _GIB_NONE if value is None else format(value, spec)
+
+
+def _cell_label(row: dict) -> str:
+    return f"{row['workload']['name']}\n{row['framework']}-{row['backend']}"
+
+
+def _speedup_vs_trl(rows: Sequence[dict]) -> dict[str, float]:
+    """Real-token throughput of each measured cell over the TRL cell of the same workload."""
+    trl = {
+        r["workload"]["name"]: r["phases"]["actor_train"]["tok_per_s"]
+        for r in rows
+        if r["framework"] == "trl" and r["status"] == "ok"
+    }
+    return {
+        r["cell"]: r["phases"]["actor_train"]["tok_per_s"] / trl[r["workload"]["name"]]
+        for r in rows
+        if r["status"] == "ok" and r["workload"]["name"] in trl
+    }
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """The matrix as markdown: header facts, result table, unmeasured cells, fairness checklist."""
+    if not rows:
+        raise ValueError("no result rows to report")
+    env, held = rows[0]["env"], rows[0]["held_constant"]
+    peers = env.get("peers", {})
+    peer_text = ", ".join(f"{k} {v}" for k, v in peers.items() if v) or "none installed"
+    peak = held.get("peak_flops")
+    lines = [
+        "# Benchmark matrix",
+        "",
+        f"- Device: {env.get('gpu') or 'CPU'} x{max(env.get('num_gpus') or 0, 1)}; torch {env.get('torch')}, "
+        f"transformers {env.get('transformers')}, CUDA {env.get('cuda')}, Python {env.get('python')}",
+        f"- Peers: {peer_text}",
+        f"- Commit: `{env.get('git_commit')}`; recorded {env.get('time')}",
+        f"- Command: `{env.get('command')}`",
+        f"- Held constant: mode {held['mode']}, dtype {held['dtype']}, recompute {held['recompute']}, slipstream "
+        f"micro-batch budget {held['max_tokens_per_mb']} tokens, compile {held['compile']}, warm-up {held['warmup']} "
+        f"+ {held['repeats']} timed repeats (median, min-max); TRL per_device_train_batch_size "
+        f"{held['peers']['trl']['per_device_train_batch_size']}, loss_type {held['peers']['trl']['loss_type']}",
+        f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (DESIGN.md); MFU against "
+        f"{'an override peak of %.0f TFLOP/s' % (peak / 1e12) if peak else 'the datasheet dense bf16 peak'}; "
+        "noise = (max - min) / median of the actor update",
+        "",
+        "| workload | framework | backend | status | update s (min-max) | noise | real tok/s | vs TRL | TFLOP/s "
+        "| MFU | peak GiB | log-prob s | log-prob GiB | padding |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    speedup = _speedup_vs_trl(rows)
+    for r in rows:
+        wl = r["workload"]
+        head = f"| {wl['name']} ({wl['preset']}) | {r['framework']} | {r['backend']} | {r['status']} |"
+        if r["status"] != "ok":
+            lines.append(head + " - |" * 10)
+            continue
+        t, f = r["phases"]["actor_train"], r["phases"].get("log_probs")
+        fair = r.get("fairness") or {}
+        lines.append(
+            f"{head} {t['time_s']:.3f} ({t['time_min_s']:.3f}-{t['time_max_s']:.3f}) | {t['rel_spread']:.1%} "
+            f"| {t['tok_per_s']:,.0f} | {_fmt(speedup.get(r['cell']), '.2f')}x | {t['tflops']:.1f} "
+            f"| {_fmt(t['mfu'], '.1%')} | {_fmt(t['peak_memory_gib'], '.1f')} "
+            f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} "
+            f"| {_fmt(fair.get('padding_fraction'), '.1%')} |"
+        )
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        lines += ["", "## Cells without numbers", ""]
+        for r in skipped:
+            reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
+            install = f" Install: `{r['install']}`" if r.get("install") else ""
+            lines.append(f"- `{r['cell']}` **{r['status']}**: {reason}{install}")
+    measured = [r for r in rows if r["status"] == "ok" and r.get("fairness")]
+    if measured:
+        keys = list(measured[0]["fairness"])
+        lines += ["", "## Fairness checklist", "", "| cell | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for r in measured:
+            cells = [_fmt(v, ".1%") if k == "padding_fraction" else str(v) for k, v in r["fairness"].items()]
+            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _bar_figure(rows: Sequence[dict], title: str, ylabel: str) -> tuple[Figure, object, list[str]]:
+    fig = Figure(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    labels = [_cell_label(r) for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig, ax, labels
+
+
+def _mark_unmeasured(ax, rows: Sequence[dict], missing_value: Sequence[bool] | None = None) -> None:
+    # Cells without a bar say why on the axis instead of silently showing nothing.
+    for i, r in enumerate(rows):
+        if r["status"] != "ok" or (missing_value is not None and missing_value[i]):
+            text = r["status"] if r["status"] != "ok" else "n/a"
+            ax.text(i, 0, text, ha="center", va="bottom", rotation=90, fontsize=8, color="gray")
+
+
+def phase_plot(rows: Sequence[dict]) -> Figure:
+    """Stacked per-phase median time per cell."""
+    fig, ax, _ = _bar_figure(rows, "Time per phase (median)", "seconds")
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        heights = [
+            r["phases"][phase]["time_s"] if r["status"] == "ok" and phase in r["phases"] else 0.0 for r in rows
+        ]
+        ax.bar(range(len(rows)), heights, bottom=bottom, label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.legend()
+    _mark_unmeasured(ax, rows)
+    return fig
+
+
+def mfu_plot(rows: Sequence[dict]) -> Figure:
+    """Actor-update MFU per cell (n/a where no peak FLOP/s is known, e.g. the CPU)."""
+    fig, ax, _ = _bar_figure(rows, "Actor update MFU", "MFU (%)")
+    values = [r["phases"]["actor_train"]["mfu"] if r["status"] == "ok" else None for r in rows]
+    ax.bar(range(len(rows)), [100 * v if v is not None else 0.0 for v in values])
+    _mark_unmeasured(ax, rows, [v is None for v in values])
+    return fig
+
+
+def memory_plot(rows: Sequence[dict]) -> Figure:
+    """Peak memory of each phase per cell (n/a where not measured, e.g. the CPU)."""
+    fig, ax, _ = _bar_figure(rows, "Peak memory per phase", "GiB")
+    width = 0.8 / len(PHASES)
+    absent = [True] * len(rows)
+    for k, phase in enumerate(PHASES):
+        values = []
+        for i, r in enumerate(rows):
+            v = r["phases"][phase]["peak_memory_gib"] if r["status"] == "ok" and phase in r["phases"] else None
+            absent[i] = absent[i] and v is None
+            values.append(0.0 if v is None else v)
+        ax.bar([i + (k - (len(PHASES) - 1) / 2) * width for i in range(len(rows))], values, width, label=phase)
+    ax.legend()
+    _mark_unmeasured(ax, rows, absent)
+    return fig
+
+
+def write_matrix_report(results_jsonl: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Write matrix.md, phases.png, mfu.png and memory.png for a results JSONL; returns their paths."""
+    rows = read_rows(results_jsonl)
+    if not rows:
+        raise ValueError(f"{results_jsonl} has no result rows")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "matrix.md"} | {name: out / f"{name}.png" for name in ("phases", "mfu", "memory")}
+    paths["markdown"].write_text(markdown_table(rows))
+    for name, plot in (("phases", phase_plot), ("mfu", mfu_plot), ("memory", memory_plot)):
+        plot(rows).savefig(paths[name], dpi=110)
+    return paths
