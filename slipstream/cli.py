@@ -24,7 +24,11 @@ def _train(args: argparse.Namespace) -> int:
     from slipstream.controller.grpo import RLTrainer
     from slipstream.report import write_report
 
-    trainer = RLTrainer(cfg)
+    try:
+        trainer = RLTrainer(cfg)
+    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, ...
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     try:
         trainer.fit()
     except KeyboardInterrupt:

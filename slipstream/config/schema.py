@@ -179,7 +179,7 @@ class TrainerSection:
     keep_last: int = 2
     """Checkpoints kept on disk."""
     resume: bool = True
-    """Continue from the newest checkpoint in run_dir when one exists."""
+    """Continue from the newest checkpoint in run_dir when one exists (false refuses a run_dir that has checkpoints)."""
     export_hf: bool = True
     """Write the final policy as an HF checkpoint to run_dir/hf."""
     tensorboard: bool = True
@@ -189,7 +189,7 @@ class TrainerSection:
     peak_flops: float | None = None
     """Override the device's dense bf16 peak FLOP/s used for MFU."""
     stop_on_nan: bool = True
-    """Stop (after saving) when the loss or gradient norm is not finite."""
+    """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
 
 
 @dataclass

@@ -122,7 +122,13 @@ class RLTrainer:
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
         )
         self.step_num = 0
-        if cfg.trainer.resume and (latest := self.checkpoints.latest()) is not None:
+        latest = self.checkpoints.latest()
+        if latest is not None and not cfg.trainer.resume:
+            raise ValueError(
+                f"trainer.run_dir={cfg.trainer.run_dir!r} already holds checkpoints (newest {latest.name}) and "
+                "trainer.resume=false: pick a new trainer.run_dir, or set trainer.resume=true to continue that run"
+            )
+        if latest is not None:
             self._restore(latest)
         self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
         self.logger = MetricsLogger(
@@ -132,34 +138,47 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:
-        """Run until trainer.total_steps; Ctrl-C or SIGTERM saves a checkpoint and exits cleanly."""
-        interrupted = False
+        """Run until trainer.total_steps.
 
-        def on_sigterm(signum, frame):  # schedulers send SIGTERM before killing a job
-            raise KeyboardInterrupt
+        Ctrl-C or SIGTERM asks for a stop: the current step finishes (so minibatch updates, the
+        data position and the sampler RNG stay consistent), a checkpoint is saved, and
+        KeyboardInterrupt is raised. A second Ctrl-C aborts at once without saving; the last
+        checkpoint on disk is then the resume point.
+        """
+        stop_requested = False
 
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        def on_signal(signum, frame):
+            nonlocal stop_requested
+            if stop_requested:
+                raise KeyboardInterrupt
+            stop_requested = True
+            log.warning("stop requested: finishing step %d, then saving (Ctrl-C again aborts without saving)",
+                        self.step_num + 1)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self.step_num < self.cfg.trainer.total_steps:
+            while self.step_num < self.cfg.trainer.total_steps and not stop_requested:
                 metrics = self.step()
                 self.logger.log(self.step_num, metrics)
                 every = self.cfg.trainer.save_every
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
                     self.save()
         except KeyboardInterrupt:
-            interrupted = True
-            log.warning("interrupted at step %d: saving a checkpoint", self.step_num)
+            log.warning("aborted during step %d without saving; the last checkpoint is the resume point",
+                        self.step_num + 1)
+            raise
         except NonFiniteLoss:
             log.error("stopping: non-finite loss or gradient at step %d; the optimizer step was skipped. "
                       "Lower actor.lr or check the rewards; a rerun resumes from the last checkpoint "
                       "(trainer.save_every)", self.step_num + 1)
             raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.logger.close()
             self.rewards.close()
         self.save()
-        if interrupted:
+        if stop_requested:
             raise KeyboardInterrupt
         if self.cfg.trainer.export_hf:
             weights = {hf.from_hf_name(name): t for name, t in self.engine.export_weights()}

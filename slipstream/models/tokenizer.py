@@ -55,15 +55,30 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     raise ValueError(f"{path} holds no tokenizer files and {len(ggufs)} .gguf files (need exactly one)")
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids of a user prompt, wrapped in the chat template when asked and available."""
-    if use_chat_template:
-        if getattr(tokenizer, "chat_template", None):
-            # Render to text first: the return type of tokenize=True differs across versions.
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], use_chat_template: bool
+) -> list[int]:
+    """Token ids of a prompt: text (wrapped as one user turn) or chat messages, via the chat template.
+
+    Chat messages (dataset rows like [{"role": "system", ...}, {"role": "user", ...}]) need the
+    tokenizer's chat template; text is wrapped in it when asked and available.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(prompt, list):
+        if not (use_chat_template and has_template):
+            raise ValueError(
+                "this prompt is a list of chat messages, which needs a tokenizer with a chat template and "
+                f"model.use_chat_template=true (now {use_chat_template}, template "
+                f"{'present' if has_template else 'absent'})"
             )
-            # The template already writes any BOS it wants; do not add a second one.
-            return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        warnings.warn("use_chat_template=True but the tokenizer has no chat template; encoding plain text")
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        messages = prompt
+    elif use_chat_template and has_template:
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        if use_chat_template:
+            warnings.warn("use_chat_template=True but the tokenizer has no chat template; encoding plain text")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    # Render to text first: the return type of tokenize=True differs across versions.
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already writes any BOS it wants; do not add a second one.
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])

@@ -18,3 +18,17 @@ def test_report_command(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n')
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_errors_found_while_building_the_run_are_reported(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    assert main(["train", "recipes/demo.yaml", f"data.source={missing}", f"trainer.run_dir={tmp_path}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "recipes/demo.yaml", "reward.functions=[maths]", f"trainer.run_dir={tmp_path}"]) == 2
+    assert "did you mean 'math'" in capsys.readouterr().err
+
+
+def test_resume_false_refuses_a_run_dir_with_checkpoints(tmp_path, capsys):
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    assert main(["train", "recipes/demo.yaml", f"trainer.run_dir={tmp_path}", "trainer.resume=false"]) == 2
+    assert "trainer.resume=false" in capsys.readouterr().err
