@@ -112,6 +112,17 @@ def _best_fit_decreasing(
     return bins
 
 
+def _move(i: int, src: int, dst: int, bins: list[list[int]], tokens: list[int], loads: list[float],
+          lens: Sequence[int], work: Sequence[float]) -> None:
+    """Move sequence i from bin src to bin dst, keeping the per-bin token and work totals in step."""
+    bins[src].remove(i)
+    bins[dst].append(i)
+    tokens[src] -= lens[i]
+    tokens[dst] += lens[i]
+    loads[src] -= work[i]
+    loads[dst] += work[i]
+
+
 def _repair(bins: list[list[int]], lens: Sequence[int], work: Sequence[float], cap: int) -> bool:
     """Move sequences out of bins over the cap into the lightest bins they fit in; False if stuck."""
     tokens = [sum(lens[i] for i in b) for b in bins]
@@ -132,12 +143,7 @@ def _repair(bins: list[list[int]], lens: Sequence[int], work: Sequence[float], c
             if choice is None:
                 return False
             i, dst = choice
-            bins[src].remove(i)
-            bins[dst].append(i)
-            tokens[src] -= lens[i]
-            tokens[dst] += lens[i]
-            loads[src] -= work[i]
-            loads[dst] += work[i]
+            _move(i, src, dst, bins, tokens, loads, lens, work)
     return True
 
 
@@ -187,19 +193,9 @@ def _improve(bins: list[list[int]], lens: Sequence[int], work: Sequence[float], 
         if best is None or best[0] >= loads[top] * (1 - 1e-9):
             return
         _, i, j, other = best
-        bins[top].remove(i)
-        bins[other].append(i)
-        tokens[top] -= lens[i]
-        tokens[other] += lens[i]
-        loads[top] -= work[i]
-        loads[other] += work[i]
+        _move(i, top, other, bins, tokens, loads, lens, work)
         if j is not None:
-            bins[other].remove(j)
-            bins[top].append(j)
-            tokens[other] -= lens[j]
-            tokens[top] += lens[j]
-            loads[other] -= work[j]
-            loads[top] += work[j]
+            _move(j, other, top, bins, tokens, loads, lens, work)
 
 
 def _partition(

@@ -183,15 +183,20 @@ def bench_naive(
     return result
 
 
-def loss_cross_check(workload: Workload | str = "tiny", micro_batch_size: int = 3, seed: int = 0) -> dict[str, float]:
-    """fp32 CPU losses of the naive path and slipstream's engine on the same batch and weights."""
-    w = get_workload(workload) if isinstance(workload, str) else workload
+def paired_models(w: Workload, seed: int = 0):
+    """(cfg, native model, HF model with the same weights, the workload's batch), fp32 on the CPU."""
     cfg = get_preset(w.preset)
     native = Transformer(cfg)
     native.init_weights(seed)
     hf_model = build_hf_model(cfg, torch.float32, "cpu")
     copy_native_weights(hf_model, native)
-    batch = synthetic_batch(w, cfg.vocab_size)
+    return cfg, native, hf_model, synthetic_batch(w, cfg.vocab_size)
+
+
+def loss_cross_check(workload: Workload | str = "tiny", micro_batch_size: int = 3, seed: int = 0) -> dict[str, float]:
+    """fp32 CPU losses of the naive path and slipstream's engine on the same batch and weights."""
+    w = get_workload(workload) if isinstance(workload, str) else workload
+    cfg, native, hf_model, batch = paired_models(w, seed)
     num_loss_tokens = int(batch.loss_mask.sum())
     with torch.no_grad():
         naive = sum(

@@ -34,13 +34,12 @@ import torch
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
 from slipstream.bench.matrix import CellSettings, TrlSettings
-from slipstream.bench.naive import build_hf_model, copy_native_weights
+from slipstream.bench.naive import build_hf_model, paired_models
 from slipstream.bench.peers import missing_result, peer_version
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
 from slipstream.models.tokenizer import build_char_tokenizer
-from slipstream.models.transformer import Transformer
 from slipstream.perf.flops import forward_flops, train_flops
 
 # slipstream aggregation mode equal to each TRL loss_type over one generation batch.
@@ -301,12 +300,7 @@ def trl_loss_cross_check(
     from slipstream.algo.losses import LossSpec
 
     w = get_workload(workload) if isinstance(workload, str) else workload
-    cfg = get_preset(w.preset)
-    native = Transformer(cfg)
-    native.init_weights(seed)
-    hf_model = build_hf_model(cfg, torch.float32, "cpu")
-    copy_native_weights(hf_model, native)
-    batch = synthetic_batch(w, cfg.vocab_size)
+    cfg, native, hf_model, batch = paired_models(w, seed)
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build_trl_trainer(
             hf_model, w, out_dir, per_device_train_batch_size, loss_type, gradient_checkpointing=False, bf16=False
