@@ -45,7 +45,7 @@ class DataSection:
     split: str = "train"
     """Split to read from a `datasets` DatasetDict."""
     prompt_template: str | None = None
-    """Python format string with {prompt} applied to text prompts before tokenizing; None leaves them as they are."""
+    """Template for text prompts: "{prompt}" is replaced by the prompt (other braces stay literal); None leaves them as they are."""
     on_error: Literal["skip", "raise"] = "skip"
     """What to do with a malformed row: report it with file and line, then skip it or stop."""
     shuffle_seed: int = 0
@@ -103,7 +103,7 @@ class AlgoSection:
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
     """Advantage estimator."""
     std_normalize: bool = True
-    """GRPO only: divide group-centred rewards by the group std (False = Dr.GRPO)."""
+    """GRPO only: divide group-centred rewards by the group std (False = Dr.GRPO); other estimators ignore it with a warning."""
     clip_low: float = 0.2
     """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
@@ -230,6 +230,37 @@ def check_config(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
+    non_negative = {
+        "reward.num_workers": rw.num_workers,
+        "rollout.top_k": r.top_k,
+        "algo.kl_coef": a.kl_coef,
+        "algo.entropy_coef": a.entropy_coef,
+        "actor.weight_decay": cfg.actor.weight_decay,
+        "actor.warmup_steps": cfg.actor.warmup_steps,
+        "actor.grad_clip": cfg.actor.grad_clip,
+        "trainer.save_every": cfg.trainer.save_every,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+    at_least_one = {
+        "rollout.max_batch_size": r.max_batch_size,
+        "trainer.keep_last": cfg.trainer.keep_last,
+        "trainer.log_every": cfg.trainer.log_every,
+        "data.num_task_prompts": cfg.data.num_task_prompts,
+    }
+    if cfg.actor.logprob_chunk_size is not None:
+        at_least_one["actor.logprob_chunk_size"] = cfg.actor.logprob_chunk_size
+    for key, value in at_least_one.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    strictly_positive = {"actor.lr": cfg.actor.lr, "actor.eps": cfg.actor.eps}
+    for key, value in (("algo.behav_is_cap", a.behav_is_cap), ("trainer.peak_flops", cfg.trainer.peak_flops)):
+        if value is not None:
+            strictly_positive[key] = value
+    for key, value in strictly_positive.items():
+        if not value > 0:
+            raise ValueError(f"{key} must be > 0, got {value}")
     if r.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
     if not 0 < r.top_p <= 1:

@@ -7,6 +7,7 @@ trainer is built; the loop itself never branches on it or on the backend.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from slipstream.config.schema import Config
 from slipstream.controller import setup
 from slipstream.controller.prompts import PromptSource
 from slipstream.engine.factory import build_engine, local_micro_batches
+from slipstream.engine.local import OutOfMemory
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
@@ -91,7 +93,7 @@ class RLTrainer:
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=setup.stop_token_ids(self.tokenizer, cfg.rollout.stop),
+            stop_token_ids=setup.stop_token_ids(self.tokenizer, cfg.rollout.stop, self.model_cfg.eos_token_id),
             n=cfg.rollout.group_size,
         )
         self.prompts = PromptSource(cfg, self.tokenizer)
@@ -104,6 +106,9 @@ class RLTrainer:
         )
         # std_normalize is GRPO's switch (False = Dr.GRPO); the other estimators use their own default
         adv_options = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
+        if cfg.algo.advantage != "grpo" and not cfg.algo.std_normalize:
+            log.warning("algo.std_normalize=false is ignored by algo.advantage=%s (it applies to grpo)",
+                        cfg.algo.advantage)
         self.advantage_fn = get_advantage_fn(cfg.algo.advantage, **adv_options)
         self.loss_fn = PolicyLoss(
             LossSpec(
@@ -191,7 +196,7 @@ class RLTrainer:
         timer = PhaseTimer(self.device)
         with timer.phase("step"):
             records = self.prompts.next_batch()
-            with timer.phase("rollout"):
+            with timer.phase("rollout"), _rollout_oom_advice(cfg):
                 groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling)
             samples = [
                 replace(s, group_id=g, prompt_text=r.prompt_text, answer=r.answer)
@@ -310,3 +315,15 @@ class RLTrainer:
         self.rollout.load_state_dict(state["rollout"])
         self.step_num = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
+
+
+@contextlib.contextmanager
+def _rollout_oom_advice(cfg: Config):
+    """Turn an OOM during generation into an error naming the settings that size the KV cache."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise OutOfMemory(
+            f"out of memory while generating: lower rollout.max_batch_size (now {cfg.rollout.max_batch_size}) "
+            f"or rollout.max_new_tokens (now {cfg.rollout.max_new_tokens}). Original error: {err}"
+        ) from err

@@ -77,12 +77,15 @@ def build_policy(cfg: Config, vocab_size: int) -> tuple[Transformer, ModelConfig
     return model, model_cfg
 
 
-def stop_token_ids(tokenizer, stop: list[str]) -> list[int]:
-    """EOS plus each configured stop string, which must be a single token."""
+def stop_token_ids(tokenizer, stop: list[str], model_eos: int | list[int] | None = None) -> list[int]:
+    """The tokenizer's EOS, the model config's EOS ids (chat models list end-of-turn there), and each
+    configured stop string, which must be a single token."""
     ids = []
     eos = tokenizer.eos_token_id
     if eos is not None:
         ids.append(int(eos))
+    if model_eos is not None:
+        ids.extend(int(i) for i in ([model_eos] if isinstance(model_eos, int) else model_eos))
     for text in stop:
         encoded = tokenizer.encode(text, add_special_tokens=False)
         if len(encoded) != 1:

@@ -53,3 +53,14 @@ def test_raising_reward_is_scored_and_the_run_goes_on(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/error_frac"] for r in rows] == [1.0, 1.0]
     assert all(r["reward/mean"] == 0.0 for r in rows)
+
+
+def test_out_of_memory_in_rollout_names_the_setting(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "trainer.total_steps=1")
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(trainer.rollout, "generate", oom)
+    with pytest.raises(OutOfMemory, match="lower rollout.max_batch_size"):
+        trainer.step()

@@ -35,6 +35,11 @@ def test_defaults_and_overrides(tmp_path):
         ("algo.dual_clip_c=0.5", "algo.dual_clip_c must be > 1"),
         ("rollout.prompts_per_step=3", "must be divisible by algo.ppo_n_minibatches"),
         ("actor.lr", "must look like section.key=value"),
+        ("actor.lr=0", "actor.lr must be > 0"),
+        ("rollout.top_k=-1", "rollout.top_k must be >= 0"),
+        ("reward.num_workers=-2", "reward.num_workers must be >= 0"),
+        ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
+        ("algo.behav_is_cap=0", "algo.behav_is_cap must be > 0"),
         ("actor.lr.x=1", "'lr' is a value, not a section"),
     ],
 )
