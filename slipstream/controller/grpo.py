@@ -263,10 +263,16 @@ class RLTrainer:
 
     def _train(self, batch: PackedBatch) -> dict[str, float]:
         cfg = self.cfg
-        minibatches = split_minibatches(batch.num_seqs, cfg.algo.ppo_n_minibatches, cfg.rollout.group_size)
         sums: dict[str, float] = {}
         count = 0
-        for _ in range(cfg.algo.ppo_epochs):
+        for epoch in range(cfg.algo.ppo_epochs):
+            # With several minibatches, each epoch visits the groups in a fresh order. The generator is
+            # seeded from (seed, step, epoch), so a resumed run shuffles exactly as the original did.
+            shuffle = None
+            if cfg.algo.ppo_n_minibatches > 1:
+                shuffle = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + self.step_num * 1_009 + epoch)
+            minibatches = split_minibatches(batch.num_seqs, cfg.algo.ppo_n_minibatches, cfg.rollout.group_size,
+                                            generator=shuffle)
             for seq_ids in minibatches:
                 mbs = self._micro_batches(select(batch, seq_ids))
                 metrics = self.engine.forward_backward(mbs, self.loss_fn, max_response_len=cfg.rollout.max_new_tokens)
