@@ -10,6 +10,9 @@ so a row read on its own says exactly what was measured. Each cell produces one 
   trl x megatron         status "not-applicable": TRL has no Megatron engine
   verl x *               peers/verl_adapter.py ("missing" where verl cannot be installed)
 
+`mode: rl-step` runs whole GRPO steps from a recipe instead (rl_step.py): slipstream on the
+local / fsdp backend at world size 1; peers get explained rows until their rl-step adapters exist.
+
 Row statuses: ok, missing (peer not installed; `install` says how), not-available,
 not-applicable, oom, error. Only "ok" rows carry numbers. Timing and statistics follow
 train_step.py: warm-up discarded, median / min / max over repeats, real tokens only, model
@@ -25,16 +28,20 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from slipstream.bench.workloads import Workload, get_workload
 from slipstream.models.presets import get_preset
 
+if TYPE_CHECKING:
+    from slipstream.bench.rl_step import RLStepSettings
+
 SCHEMA = "slipstream.bench.matrix/1"
 FRAMEWORKS = ("slipstream", "trl", "verl")
 BACKENDS = ("fsdp", "megatron")
-MODES = ("train-step",)  # rl-step (rollout + reward + update + sync) comes in a later slice
+MODES = ("train-step", "rl-step")  # rl-step: whole GRPO steps from a recipe, see rl_step.py
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bfloat16", "float32")
 TRL_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
@@ -58,7 +65,8 @@ class CellSettings:
     """Everything held constant across the cells of a matrix."""
 
     mode: str = "train-step"
-    """Only "train-step": the same pre-built batch through each framework's training step."""
+    """"train-step": the same pre-built batch through each framework's training step; "rl-step": whole
+    GRPO steps from `rl_step.recipe` (only `device` and `peak_flops` below apply to it)."""
     dtype: str = "bfloat16"
     """Compute dtype: "bfloat16" or "float32"."""
     recompute: str = "none"
@@ -111,13 +119,15 @@ class MatrixSpec:
     verl: VerlSettings = field(default_factory=VerlSettings)
     on_error: str = "record"
     """"record": a cell that raises becomes an "error" row and the matrix goes on; "raise": stop."""
+    rl_step: RLStepSettings | None = None
+    """The recipe and step counts of an rl-step matrix (then `workloads` is this one entry); None for train-step."""
 
     def cells(self) -> list[tuple[Workload, str, str]]:
         """(workload, framework, backend) in run order: workload-major, slipstream first."""
         return [(w, f, b) for w in self.workloads for f in self.frameworks for b in self.backends]
 
 
-_TOP_KEYS = ("workloads", "frameworks", "backends", "peers", "on_error") + tuple(
+_TOP_KEYS = ("workloads", "frameworks", "backends", "peers", "on_error", "rl_step") + tuple(
     f.name for f in dataclasses.fields(CellSettings)
 )
 
@@ -211,7 +221,13 @@ def parse_spec(data: Mapping) -> MatrixSpec:
     """Validate a spec mapping (as loaded from YAML); any problem raises ValueError naming the key."""
     if not isinstance(data, Mapping):
         raise ValueError(f"matrix spec: the top level must be a mapping, got {type(data).__name__}")
+    if _choice("mode", data.get("mode", "train-step"), MODES) == "rl-step":
+        from slipstream.bench.rl_step import parse_rl_step_spec
+
+        return parse_rl_step_spec(data)
     _check_keys("", data, _TOP_KEYS)
+    if "rl_step" in data:
+        raise ValueError("matrix spec: key 'rl_step' applies to mode rl-step only (this spec's mode is train-step)")
     for key in ("workloads", "frameworks", "backends"):
         if key not in data:
             raise ValueError(f"matrix spec: missing required key {key!r}")
@@ -376,6 +392,10 @@ def _slipstream_fsdp(w: Workload, s: CellSettings) -> dict:
 def run_cell(spec: MatrixSpec, w: Workload, framework: str, backend: str) -> dict:
     """The framework-specific part of one cell's row (status, phases, fairness, impl)."""
     s = spec.settings
+    if s.mode == "rl-step":
+        from slipstream.bench.rl_step import run_rl_step_cell
+
+        return run_rl_step_cell(spec, w, framework, backend)  # type: ignore[arg-type]  # w is the RLStepSettings
     if framework == "slipstream":
         if backend == "megatron":
             return {
@@ -405,6 +425,10 @@ def _oom_types() -> tuple[type[BaseException], ...]:
 
 def make_row(spec: MatrixSpec, w: Workload, framework: str, backend: str, result: dict, env: dict) -> dict:
     """One JSONL row: the common fields plus the cell's own result, with every ROW_KEYS key present."""
+    if spec.settings.mode == "rl-step":
+        from slipstream.bench.rl_step import make_rl_step_row
+
+        return make_rl_step_row(spec, w, framework, backend, result, env)  # type: ignore[arg-type]
     from slipstream.bench.train_step import perf_metrics
     from slipstream.bench.workloads import seq_lens
 

@@ -7,6 +7,10 @@
   mfu.png        actor-update MFU per cell
   memory.png     peak memory of each phase per cell
 
+An rl-step matrix (rl_step.py) gets its own header and table (step, rollout and train time,
+train TFLOP/s and MFU, tok/s per GPU, wait-time ratio, peak memory per phase on CUDA); the
+plots then stack the phases of a whole step.
+
 Figures are built with `matplotlib.figure.Figure` (Agg canvas, no pyplot state), so this
 runs headless. Cells that were not measured appear on the plots' axes with their status.
 """
@@ -50,6 +54,10 @@ def markdown_table(rows: Sequence[dict]) -> str:
     """The matrix as markdown: header facts, result table, unmeasured cells, fairness checklist."""
     if not rows:
         raise ValueError("no result rows to report")
+    if rows[0]["mode"] == "rl-step":
+        from slipstream.bench.rl_step import rl_step_markdown
+
+        return "\n".join(rl_step_markdown(rows) + _unmeasured_and_fairness(rows)) + "\n"
     env, held = rows[0]["env"], rows[0]["held_constant"]
     peers = env.get("peers", {})
     peer_text = ", ".join(f"{k} {v}" for k, v in peers.items() if v) or "none installed"
@@ -90,6 +98,12 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} "
             f"| {_fmt(fair.get('padding_fraction'), '.1%')} |"
         )
+    return "\n".join(lines + _unmeasured_and_fairness(rows)) + "\n"
+
+
+def _unmeasured_and_fairness(rows: Sequence[dict]) -> list[str]:
+    """The reasons of the cells without numbers, then the fairness checklist of the measured ones."""
+    lines: list[str] = []
     skipped = [r for r in rows if r["status"] != "ok"]
     if skipped:
         lines += ["", "## Cells without numbers", ""]
@@ -104,7 +118,16 @@ def markdown_table(rows: Sequence[dict]) -> str:
         for r in measured:
             cells = [_fmt(v, ".1%") if k == "padding_fraction" else str(v) for k, v in r["fairness"].items()]
             lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _phases(rows: Sequence[dict]) -> tuple[str, ...]:
+    """The phases the plots show: train-step's two, or those of an rl-step that some cell measured."""
+    if rows[0]["mode"] != "rl-step":
+        return PHASES
+    from slipstream.bench.rl_step import RL_PHASES
+
+    return tuple(p for p in RL_PHASES if any(r["status"] == "ok" and p in r["phases"] for r in rows))
 
 
 def _bar_figure(rows: Sequence[dict], title: str, ylabel: str) -> tuple[Figure, object, list[str]]:
@@ -130,7 +153,7 @@ def phase_plot(rows: Sequence[dict]) -> Figure:
     """Stacked per-phase median time per cell."""
     fig, ax, _ = _bar_figure(rows, "Time per phase (median)", "seconds")
     bottom = [0.0] * len(rows)
-    for phase in PHASES:
+    for phase in _phases(rows):
         heights = [
             r["phases"][phase]["time_s"] if r["status"] == "ok" and phase in r["phases"] else 0.0 for r in rows
         ]
@@ -153,15 +176,16 @@ def mfu_plot(rows: Sequence[dict]) -> Figure:
 def memory_plot(rows: Sequence[dict]) -> Figure:
     """Peak memory of each phase per cell (n/a where not measured, e.g. the CPU)."""
     fig, ax, _ = _bar_figure(rows, "Peak memory per phase", "GiB")
-    width = 0.8 / len(PHASES)
+    phases = _phases(rows)
+    width = 0.8 / max(len(phases), 1)
     absent = [True] * len(rows)
-    for k, phase in enumerate(PHASES):
+    for k, phase in enumerate(phases):
         values = []
         for i, r in enumerate(rows):
             v = r["phases"][phase]["peak_memory_gib"] if r["status"] == "ok" and phase in r["phases"] else None
             absent[i] = absent[i] and v is None
             values.append(0.0 if v is None else v)
-        ax.bar([i + (k - (len(PHASES) - 1) / 2) * width for i in range(len(rows))], values, width, label=phase)
+        ax.bar([i + (k - (len(phases) - 1) / 2) * width for i in range(len(rows))], values, width, label=phase)
     ax.legend()
     _mark_unmeasured(ax, rows, absent)
     return fig

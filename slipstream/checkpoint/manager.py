@@ -3,7 +3,7 @@
 A checkpoint directory `step_000012/` holds the engine's own files (model, optimizer, scheduler)
 plus `trainer.pt` with the step, the data position and every RNG state, so `resume`
 continues exactly where the run stopped. A crash mid-save leaves only a `.tmp` directory,
-which the next save removes; `latest()` never returns a partial checkpoint.
+which the next save of that step removes; `latest()` never returns a partial checkpoint.
 """
 
 from __future__ import annotations
@@ -58,9 +58,12 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         write(tmp)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
-        if final.exists():  # re-saving the same step (e.g. interrupt right after a periodic save)
-            shutil.rmtree(final)
+        old = self.root / f"step_{step:06d}.old"
+        if final.exists():  # re-saving the same step: move the old copy aside first, so a
+            shutil.rmtree(old, ignore_errors=True)  # complete checkpoint exists at every moment
+            final.rename(old)
         tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         for old in self.steps()[: -self.keep_last]:
             shutil.rmtree(self.root / f"step_{old:06d}", ignore_errors=True)
         return final

@@ -187,8 +187,7 @@ class RLTrainer:
             raise KeyboardInterrupt
         if self.cfg.trainer.export_hf:
             weights = {hf.from_hf_name(name): t for name, t in self.engine.export_weights()}
-            out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf")
-            self.tokenizer.save_pretrained(str(self.run_dir / "hf"))
+            out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
             log.info("exported the policy as an HF checkpoint to %s", out)
 
     def step(self) -> dict[str, float]:
@@ -317,10 +316,25 @@ class RLTrainer:
     def _restore(self, directory: Path) -> None:
         self.engine.load(directory)
         state = self.checkpoints.load_trainer_state(directory)
+        changed = _config_changes(state.get("config", {}), asdict(self.cfg))
+        if changed:
+            log.warning("resuming with a config that differs from the checkpoint's: %s", "; ".join(changed))
         self.prompts.load_state_dict(state["data"])
         self.rollout.load_state_dict(state["rollout"])
         self.step_num = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
+
+
+def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ (trainer.total_steps is expected to change on resume)."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += _config_changes(a, b, f"{prefix}{key}.")
+        elif a != b and f"{prefix}{key}" != "trainer.total_steps":
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
 
 
 @contextlib.contextmanager

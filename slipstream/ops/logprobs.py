@@ -139,7 +139,7 @@ def _cuda_mm_out_dtype_ok() -> bool:
         return False
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as fp32; low-precision inputs multiply in their dtype with fp32 accumulation."""
     if a.dtype == _FP32:
         return a @ b
@@ -157,12 +157,12 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == _FP32:
         acc.addmm_(a, b)
     else:
-        acc.add_(_mm_fp32(a, b))
+        acc.add_(mm_fp32(a, b))
 
 
 def _logits_fp32(h: torch.Tensor, w: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """One fresh fp32 tile of logits h @ w.T / tau (safe to modify in place)."""
-    return _mm_fp32(h, w.T).mul_(inv_temp)
+    return mm_fp32(h, w.T).mul_(inv_temp)
 
 
 def _torch_forward_stats(

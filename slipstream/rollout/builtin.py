@@ -16,6 +16,7 @@ from slipstream.batching.records import Sample
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf import load_hf_weights_into
 from slipstream.models.transformer import KVCache, Transformer
+from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.base import SamplingParams
 
 
@@ -164,7 +165,9 @@ class BuiltinRollout:
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
         num_steps = max_new
         for step in range(max_new):
-            logits = self.model.logits(hidden[:, -1]).float()
+            # fp32 logits from an fp32-accumulated matmul (not bf16-rounded logits), as the trainer's
+            # fused log-prob op computes them, so behaviour and trainer log-probs agree closely
+            logits = mm_fp32(hidden[:, -1], self.model.lm_head_weight.t())
             tok, lp = sample_tokens(logits, sampling, self.generator)
             tokens[:, step] = torch.where(done, self.pad_token_id, tok)
             logprobs[:, step] = torch.where(done, 0.0, lp)

@@ -27,3 +27,12 @@ def test_atomic_save_keep_last_and_rng(tmp_path):
     assert state["step"] == 4 and state["data"] == {"pos": 4}
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     assert not (tmp_path / "step_000004.tmp").exists()
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(3, lambda d: (d / "engine.pt").write_bytes(b"first"), {})
+    manager.save(3, lambda d: (d / "engine.pt").write_bytes(b"second"), {})
+    assert manager.steps() == [3]
+    assert (tmp_path / "step_000003" / "engine.pt").read_bytes() == b"second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"]
