@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from slipstream.batching.records import Sample
 from slipstream.models.config import ModelConfig
