@@ -133,7 +133,7 @@ _TOP_KEYS = ("workloads", "frameworks", "backends", "peers", "on_error", "rl_ste
 
 
 def _suggest(key: str, allowed: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(allowed), n=1)
+    close = difflib.get_close_matches(key, [a for a in allowed if isinstance(a, str)], n=1)  # device allows None
     return f"; did you mean {close[0]!r}?" if close else ""
 
 

@@ -372,7 +372,9 @@ def rl_step_markdown(rows: Sequence[dict]) -> list[str]:
         f"{cfg['actor']['activation_checkpointing']}, micro-batch budget {cfg['actor']['max_tokens_per_mb']} tokens; "
         f"{held['steps']} steps per cell, the first {held['warmup_steps']} discarded (median, min-max over the rest)",
         "- Per GPU: train TFLOP/s and tok/s count real trained tokens (model FLOPs, DESIGN.md); wait = share of the "
-        "step the trainer is not running trainer phases; rollout tok/s = response tokens / rollout time",
+        "step the trainer is not running trainer phases; rollout tok/s = response tokens / rollout time; MFU "
+        f"against {'an override peak of %.0f TFLOP/s' % (held['peak_flops'] / 1e12) if held['peak_flops'] else 'the datasheet dense bf16 peak'} "
+        "(- where no peak is known, e.g. the CPU)",
         "",
     ]
     head = ("| workload | framework | backend | status | step s (min-max) | rollout s (min-max) | train s (min-max) "

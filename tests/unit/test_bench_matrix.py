@@ -81,7 +81,7 @@ def test_spec_parses_named_inline_and_like_workloads():
         ({"workloads": []}, r"workloads must be a non-empty list"),
         ({"frameworks": ["slipstream", "deepspeed"]}, r"frameworks\[1\] must be one of"),
         ({"backends": ["fsdp", "fsdp"]}, r"backends lists a value twice"),
-        ({"mode": "rl-step"}, r"mode must be one of \('train-step',\)"),
+        ({"mode": "rl_step"}, r"mode must be one of \('train-step', 'rl-step'\).*did you mean 'rl-step'"),
         ({"workloads": ["W9"]}, r"workloads\[0\]: unknown workload 'W9'"),
         ({"workloads": [{"like": "tiny", "name": "x", "preset": "qwen3-1.7"}]}, r"workloads\[0\]: unknown model preset.*did you mean"),
         ({"workloads": [{"name": "x", "preset": "tiny"}]}, r"workloads\[0\] is missing num_prompts, group_size, prompt_len, response_len"),

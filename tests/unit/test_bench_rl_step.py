@@ -1,0 +1,226 @@
+"""CPU tests of `slipstream bench matrix` in mode rl-step: spec validation, statistics, a tiny run, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.bench.matrix import ROW_KEYS, load_spec, make_row, parse_spec, read_rows, run_matrix
+from slipstream.bench.report import markdown_table, write_matrix_report
+from slipstream.bench.rl_step import CORE_METRICS, RLStepSettings, step_statistics
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "recipes" / "demo.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _spec(rl_step: dict | None = None, **top) -> dict:
+    base = {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["local"], "device": "cpu",
+            "rl_step": {"recipe": DEMO, "steps": 3, "warmup_steps": 1} if rl_step is None else rl_step}  # fmt: skip
+    return {**base, **top}
+
+
+# ---------------------------------------------------------------- spec validation
+
+
+def test_rl_step_spec_parses():
+    spec = parse_spec(_spec(
+        {"recipe": DEMO, "steps": 5, "warmup_steps": 2, "overrides": ["rollout.max_new_tokens=2"]},
+        frameworks=["slipstream", "trl"], backends=["local", "fsdp", "megatron"], peak_flops=1e12,
+    ))  # fmt: skip
+    rl = spec.rl_step
+    assert rl == RLStepSettings(recipe=DEMO, steps=5, warmup_steps=2, overrides=("rollout.max_new_tokens=2",), name="demo")
+    assert spec.settings.mode == "rl-step" and spec.settings.peak_flops == 1e12 and spec.settings.device == "cpu"
+    assert spec.backends == ("local", "fsdp", "megatron")
+    assert spec.cells()[:2] == [(rl, "slipstream", "local"), (rl, "slipstream", "fsdp")] and len(spec.cells()) == 6
+    # warmup_steps defaults to 1, overrides to none, the name to the recipe's stem
+    d = parse_spec(_spec({"recipe": DEMO, "steps": 2, "name": "mine"})).rl_step
+    assert (d.warmup_steps, d.overrides, d.name) == (1, (), "mine")
+
+
+def test_tiny_rl_step_spec_file(monkeypatch):
+    monkeypatch.chdir(REPO)  # the recipe path in the file is relative to the repository root
+    spec = load_spec(REPO / "bench" / "matrix_rl_step_tiny.yaml")
+    assert spec.rl_step == RLStepSettings(recipe="recipes/demo.yaml", steps=6, warmup_steps=1, name="demo")
+    assert spec.frameworks == ("slipstream", "trl", "verl") and spec.backends == ("local", "fsdp")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (_spec(rl_step={}) | {"rl_step": None}, r"rl_step must be a mapping"),
+        ({k: v for k, v in _spec().items() if k != "rl_step"}, r"missing required key 'rl_step'"),
+        ({k: v for k, v in _spec().items() if k != "backends"}, r"missing required key 'backends'"),
+        (_spec({"recipe": DEMO}), r"rl_step is missing required key 'steps'"),
+        (_spec({"steps": 3}), r"rl_step is missing required key 'recipe'"),
+        (_spec({"recipe": DEMO, "stesp": 3}), r"unknown key rl_step\.'stesp'; did you mean 'steps'"),
+        (_spec({"recipe": DEMO, "steps": 3, "warmup": 1}), r"rl_step\.'warmup'; did you mean 'warmup_steps'"),
+        (_spec(framworks=["trl"]), r"unknown key 'framworks'; did you mean 'frameworks'"),
+        (_spec(dtype="float32"), r"key 'dtype' applies to mode train-step only"),
+        (_spec(workloads=["tiny"]), r"key 'workloads' applies to mode train-step only"),
+        (_spec(peers={"trl": {}}), r"key 'peers' applies to mode train-step only"),
+        (_spec(mode="train-step", workloads=["tiny"]), r"key 'rl_step' applies to mode rl-step only"),
+        (_spec(mode="rl_step"), r"mode must be one of .*did you mean 'rl-step'"),
+        (_spec({"recipe": DEMO, "steps": 0}), r"rl_step\.steps must be an integer >= 1"),
+        (_spec({"recipe": DEMO, "steps": 2, "warmup_steps": 2}), r"steps=2 leaves no timed step"),
+        (_spec({"recipe": DEMO, "steps": 2, "warmup_steps": True}), r"rl_step\.warmup_steps must be an integer"),
+        (_spec({"recipe": 3, "steps": 2}), r"rl_step\.recipe must be a path"),
+        (_spec({"recipe": "nope/missing.yaml", "steps": 2}), r"rl_step: recipe 'nope/missing.yaml' does not exist"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": [1]}), r"overrides must be a list of 'key=value'"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["actor.lr"]}), r"overrides\[0\]: override 'actor.lr' must look like"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["actor.lrr=1"]}), r"unknown config key 'actor.lrr'; did you mean 'actor.lr'"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["rollout.group_size=0"]}), r"rollout.group_size must be >= 1"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["x=1", "actor.backend=fsdp"]}), r"overrides\[1\] sets 'actor.backend'"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["trainer.run_dir=x"]}), r"sets 'trainer.run_dir'"),
+        (_spec({"recipe": DEMO, "steps": 2, "overrides": ["trainer.device=cpu"]}), r"sets 'trainer.device'"),
+        (_spec({"recipe": DEMO, "steps": 2, "name": ""}), r"rl_step\.name must be a non-empty string"),
+        (_spec(backends=["fsdp", "ddp"]), r"backends\[1\] must be one of \('local', 'fsdp', 'megatron'\)"),
+        (_spec(device="tpu"), r"device must be one of"),
+    ],
+)
+def test_rl_step_spec_rejects_bad_input_naming_the_key(data, message):
+    with pytest.raises(ValueError, match=message):
+        parse_spec(data)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_step_statistics_by_hand():
+    def step(t, rollout, train, reward, mem=None):
+        m = {"perf/step_time": t, "perf/rollout_time": rollout, "perf/actor_train_time": train,
+             "perf/actor_train_tflops": 2 * train, "perf/actor_train_tok_per_s": 100.0 / train, "reward/mean": reward,
+             "loss/policy": 0.5}  # fmt: skip
+        if mem is not None:
+            m["perf/max_memory_allocated_gb/actor_train"] = mem
+        return m
+
+    # the warm-up step (10 s, no memory reading) must not enter any statistic
+    per_step = [step(10.0, 9.0, 1.0, 0.0), step(2.0, 1.0, 0.5, 0.25, 3.0), step(4.0, 2.0, 1.5, 0.5, 5.0),
+                step(3.0, 1.5, 1.0, 0.75, 4.0)]  # fmt: skip
+    metrics, phases = step_statistics(per_step, warmup_steps=1)
+    assert metrics["perf/step_time"] == {"median": 3.0, "min": 2.0, "max": 4.0, "values": [2.0, 4.0, 3.0]}
+    assert metrics["perf/actor_train_tflops"]["median"] == 2.0
+    assert metrics["perf/max_memory_allocated_gb/actor_train"]["max"] == 5.0
+    assert "loss/policy" not in metrics  # only perf/ metrics and the reward are summarised
+    r = metrics["reward/mean"]
+    assert (r["first"], r["last"], r["median"], r["all_steps"]) == (0.0, 0.75, 0.5, [0.0, 0.25, 0.5, 0.75])
+    assert set(phases) == {"rollout", "actor_train", "step"}
+    t = phases["actor_train"]
+    assert (t["time_s"], t["time_min_s"], t["time_max_s"], t["peak_memory_gib"]) == (1.0, 0.5, 1.5, 4.0)
+    assert t["rel_spread"] == pytest.approx((1.5 - 0.5) / 1.0) and t["tflops"] == 2.0 and t["mfu"] is None
+    assert phases["rollout"]["peak_memory_gib"] is None
+    # a metric missing from one timed step is left out rather than summarised over fewer steps
+    metrics, _ = step_statistics(per_step[1:] + [step(1.0, 0.5, 0.5, 1.0)], warmup_steps=0)
+    assert "perf/max_memory_allocated_gb/actor_train" not in metrics
+    with pytest.raises(ValueError, match="leave none to time"):
+        step_statistics(per_step, warmup_steps=4)
+
+
+# ---------------------------------------------------------------- a tiny matrix, end to end
+
+
+def test_tiny_rl_step_matrix_end_to_end(tmp_path):
+    overrides = ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]
+    spec = parse_spec(_spec(
+        {"recipe": DEMO, "steps": 3, "warmup_steps": 1, "overrides": overrides},
+        frameworks=["slipstream", "trl", "verl"], backends=["local", "fsdp", "megatron"], peak_flops=1e12,
+    ))  # fmt: skip
+    out = tmp_path / "results.jsonl"
+    rows = run_matrix(spec, out)
+    assert read_rows(out) == json.loads(json.dumps(rows))
+    by_cell = {r["cell"]: r for r in rows}
+    assert [r["status"] for r in rows] == ["ok", "ok", "not-available", "not-available", "not-available",
+                                           "not-applicable", "not-available", "not-available", "not-available"]
+    assert "rl-step adapter for trl not written yet" in by_cell["demo/trl/fsdp"]["reason"]
+    assert "rl-step adapter for verl not written yet" in by_cell["demo/verl/local"]["reason"]
+    for r in rows:
+        assert tuple(r) == ROW_KEYS and r["mode"] == "rl-step"
+        held = r["held_constant"]
+        assert held == rows[0]["held_constant"]
+        assert (held["recipe"], held["overrides"], held["steps"], held["warmup_steps"]) == (DEMO, overrides, 3, 1)
+        assert held["config"]["model"]["preset"] == "tiny" and held["config"]["rollout"]["prompts_per_step"] == 4
+        assert held["config"]["reward"]["num_workers"] == 0 and "backend" not in held["config"]["actor"]
+        assert r["workload"] == {"name": "demo", "recipe": DEMO, "preset": "tiny", "data_source": "task:sum-mod10",
+                                 "prompts_per_step": 4, "group_size": 8, "num_seqs": 32, "max_new_tokens": 2}
+        if r["status"] != "ok":
+            assert r["phases"] == {} and r["metrics"] == {} and r["reason"]
+    local, fsdp = by_cell["demo/slipstream/local"], by_cell["demo/slipstream/fsdp"]
+    for r in (local, fsdp):
+        m = r["metrics"]
+        for key in CORE_METRICS:
+            assert len(m[key]["values"]) == 2, key  # 3 steps, 1 warm-up discarded
+            assert all(math.isfinite(v) and v >= 0 for v in m[key]["values"]), key
+            assert m[key]["min"] <= m[key]["median"] <= m[key]["max"], key
+        for phase in ("step", "rollout", "actor_train"):
+            assert r["phases"][phase]["time_s"] > 0 and math.isfinite(r["phases"][phase]["time_s"])
+        # the step encloses rollout and training; the CPU has no allocator peak to report
+        for s, ro, tr in zip(m["perf/step_time"]["values"], m["perf/rollout_time"]["values"],
+                             m["perf/actor_train_time"]["values"]):  # fmt: skip
+            assert s >= ro + tr
+        assert 0 <= m["perf/wait_time_ratio"]["median"] <= 1
+        # MFU against the 1 TFLOP/s override equals the TFLOP/s figure, step by step
+        assert m["perf/actor_train_mfu"]["values"] == pytest.approx(m["perf/actor_train_tflops"]["values"])
+        assert not any(k.startswith("perf/max_memory_allocated_gb/") for k in m)
+        assert len(m["reward/mean"]["all_steps"]) == 3 and r["impl"]["backend"] == r["backend"]
+        # 32 sequences of a 3-token prompt (BOS, digit, '=') and 1 or 2 response tokens, no padding
+        assert 32 * (3 + 1) <= r["fairness"]["real_tokens"] <= 32 * (3 + 2)
+    # Same seed, same recipe: the first rollout happens before any update, so both backends score it alike.
+    assert local["metrics"]["reward/mean"]["first"] == fsdp["metrics"]["reward/mean"]["first"]
+
+    paths = write_matrix_report(out, tmp_path / "report")
+    md = paths["markdown"].read_text()
+    assert "# Benchmark matrix (rl-step)" in md and "| demo (tiny) | slipstream | fsdp | ok |" in md
+    assert "- `demo/trl/fsdp` **not-available**: rl-step adapter for trl not written yet" in md
+    assert "not measured (it is read from the CUDA allocator)" in md
+    for name in ("phases", "mfu", "memory"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- report
+
+
+def test_report_renders_rl_step_rows_with_memory():
+    spec = parse_spec(_spec(frameworks=["slipstream", "trl"], backends=["fsdp"], device=None))
+    rl = spec.rl_step
+    env = {"gpu": "NVIDIA H200", "num_gpus": 1, "torch": "2.11.0", "transformers": "5.17.0", "cuda": "13.0",
+           "python": "3.12", "git_commit": "abc1234", "time": "2026-12-02", "command": "slipstream bench matrix x.yaml"}  # fmt: skip
+
+    def step(t, scale):
+        return {"perf/step_time": t, "perf/rollout_time": t / 2, "perf/actor_train_time": t / 4,
+                "perf/actor_train_tflops": 400.0 * scale, "perf/actor_train_mfu": 0.4 * scale,
+                "perf/actor_train_tok_per_s": 20000.0 * scale, "perf/wait_time_ratio": 0.6,
+                "perf/rollout_tokens_per_gpu_per_s": 5000.0 * scale, "perf/max_memory_allocated_gb/rollout": 30.0 * scale,
+                "perf/max_memory_allocated_gb/actor_train": 60.0 * scale, "reward/mean": 0.1 * scale}  # fmt: skip
+
+    metrics, phases = step_statistics([step(9.0, 0.5), step(2.0, 1.0), step(4.0, 1.5), step(3.0, 1.25)], 1)
+    ok = {"status": "ok", "metrics": metrics, "phases": phases, "fairness": {"dtype": "bfloat16", "padding_fraction": 0.0}}
+    na = {"status": "not-available", "reason": "rl-step adapter for trl not written yet"}
+    rows = [make_row(spec, rl, "slipstream", "fsdp", ok, env), make_row(spec, rl, "trl", "fsdp", na, env)]
+    md = markdown_table(rows)
+    lines = md.splitlines()
+    header = next(line for line in lines if line.startswith("| workload |"))
+    assert header.endswith("| peak GiB rollout | peak GiB actor_train |")
+    slip = next(line for line in lines if line.startswith("| demo (tiny) | slipstream | fsdp | ok |"))
+    # timed steps 2, 4, 3 s (the 9 s warm-up dropped): medians and min-max by hand; the scale goes 1, 1.5, 1.25
+    expected = ["3.000 (2.000-4.000)", "1.500 (1.000-2.000)", "0.750 (0.500-1.000)", "| 500 |", "50.0%",
+                "25,000", "60.0%", "6,250", "0.050 -> 0.125", "37.50", "75.00"]  # fmt: skip
+    for cell in expected:
+        assert cell in slip, cell
+    assert slip.count("|") == header.count("|")
+    trl = next(line for line in lines if line.startswith("| demo (tiny) | trl | fsdp | not-available |"))
+    assert trl.count("|") == header.count("|")
+    assert "- `demo/trl/fsdp` **not-available**: rl-step adapter for trl not written yet" in md
+    assert "NVIDIA H200" in md and "`abc1234`" in md and "2 steps per cell, the first 1 discarded" not in md
+    assert "3 steps per cell, the first 1 discarded" in md and "not measured" not in md
