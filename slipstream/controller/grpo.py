@@ -76,8 +76,9 @@ class RLTrainer:
         temperature = cfg.rollout.temperature
         ref_model = None
         if cfg.algo.kl_coef > 0:  # the reference is the initial policy, frozen; copied before
-            ref_model = type(model)(self.model_cfg)  # parallelize() rewrites the actor in place
-            ref_model.load_state_dict(model.state_dict())
+            with torch.device("meta"):  # parallelize() rewrites the actor in place. Built on meta and
+                ref_model = type(model)(self.model_cfg)  # filled with copies: no wasted random init
+            ref_model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         self.engine = build_engine(model, self.device, compute_dtype, temperature, cfg.actor)
         self.device = self.engine.device
         self.ref = None
