@@ -46,9 +46,6 @@ class Sample:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
-    def with_reward(self, reward: float, info: dict | None = None) -> "Sample":
-        return replace(self, reward=float(reward), reward_info=dict(info or {}))
-
 
 @dataclass(frozen=True)
 class PackedBatch:

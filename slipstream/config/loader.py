@@ -147,10 +147,6 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"{key}: unsupported annotation {tp}")  # a schema bug, not user input
 
 
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def dump_yaml(cfg: Config, path: str | Path) -> None:
     """Write the resolved config; `load_config(path)` reads it back to an equal Config."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))

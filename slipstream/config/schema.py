@@ -218,49 +218,43 @@ class Config:
 def check_config(cfg: Config) -> None:
     """Cross-field checks; raise ValueError naming the keys involved."""
     r, a, rw = cfg.rollout, cfg.algo, cfg.reward
-    positive = {
-        "rollout.prompts_per_step": r.prompts_per_step,
-        "rollout.group_size": r.group_size,
-        "rollout.max_new_tokens": r.max_new_tokens,
-        "algo.ppo_n_minibatches": a.ppo_n_minibatches,
-        "algo.ppo_epochs": a.ppo_epochs,
-        "actor.max_tokens_per_mb": cfg.actor.max_tokens_per_mb,
-        "trainer.total_steps": cfg.trainer.total_steps,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    non_negative = {
-        "reward.num_workers": rw.num_workers,
-        "rollout.top_k": r.top_k,
-        "algo.kl_coef": a.kl_coef,
-        "algo.entropy_coef": a.entropy_coef,
-        "actor.weight_decay": cfg.actor.weight_decay,
-        "actor.warmup_steps": cfg.actor.warmup_steps,
-        "actor.grad_clip": cfg.actor.grad_clip,
-        "trainer.save_every": cfg.trainer.save_every,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
-    at_least_one = {
-        "rollout.max_batch_size": r.max_batch_size,
-        "trainer.keep_last": cfg.trainer.keep_last,
-        "trainer.log_every": cfg.trainer.log_every,
-        "data.num_task_prompts": cfg.data.num_task_prompts,
-    }
-    if cfg.actor.logprob_chunk_size is not None:
-        at_least_one["actor.logprob_chunk_size"] = cfg.actor.logprob_chunk_size
-    for key, value in at_least_one.items():
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    strictly_positive = {"actor.lr": cfg.actor.lr, "actor.eps": cfg.actor.eps}
-    for key, value in (("algo.behav_is_cap", a.behav_is_cap), ("trainer.peak_flops", cfg.trainer.peak_flops)):
-        if value is not None:
-            strictly_positive[key] = value
-    for key, value in strictly_positive.items():
-        if not value > 0:
-            raise ValueError(f"{key} must be > 0, got {value}")
+    # Range checks by bound; None means "not set" for the optional fields and is skipped.
+    bounds = {
+        ">= 1": (lambda v: v >= 1, {
+            "rollout.prompts_per_step": r.prompts_per_step,
+            "rollout.group_size": r.group_size,
+            "rollout.max_new_tokens": r.max_new_tokens,
+            "rollout.max_batch_size": r.max_batch_size,
+            "algo.ppo_n_minibatches": a.ppo_n_minibatches,
+            "algo.ppo_epochs": a.ppo_epochs,
+            "actor.max_tokens_per_mb": cfg.actor.max_tokens_per_mb,
+            "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
+            "trainer.total_steps": cfg.trainer.total_steps,
+            "trainer.keep_last": cfg.trainer.keep_last,
+            "trainer.log_every": cfg.trainer.log_every,
+            "data.num_task_prompts": cfg.data.num_task_prompts,
+        }),
+        ">= 0": (lambda v: v >= 0, {
+            "reward.num_workers": rw.num_workers,
+            "rollout.top_k": r.top_k,
+            "algo.kl_coef": a.kl_coef,
+            "algo.entropy_coef": a.entropy_coef,
+            "actor.weight_decay": cfg.actor.weight_decay,
+            "actor.warmup_steps": cfg.actor.warmup_steps,
+            "actor.grad_clip": cfg.actor.grad_clip,
+            "trainer.save_every": cfg.trainer.save_every,
+        }),
+        "> 0": (lambda v: v > 0, {
+            "actor.lr": cfg.actor.lr,
+            "actor.eps": cfg.actor.eps,
+            "algo.behav_is_cap": a.behav_is_cap,
+            "trainer.peak_flops": cfg.trainer.peak_flops,
+        }),
+    }  # fmt: skip
+    for bound, (ok, values) in bounds.items():
+        for key, value in values.items():
+            if value is not None and not ok(value):
+                raise ValueError(f"{key} must be {bound}, got {value}")
     if r.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
     if not 0 < r.top_p <= 1:

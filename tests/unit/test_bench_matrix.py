@@ -24,12 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 HAS_TRL = peer_version("trl") is not None
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spec(**overrides) -> dict:

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from slipstream.bench.matrix import ROW_KEYS, load_spec, make_row, parse_spec, read_rows, run_matrix
 from slipstream.bench.report import markdown_table, write_matrix_report
@@ -17,12 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes" / "demo.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spec(rl_step: dict | None = None, **top) -> dict:

@@ -14,12 +14,7 @@ from slipstream.bench.workloads import W1_TOTAL_TOKENS, WORKLOADS, get_workload,
 from slipstream.models.presets import get_preset
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- workloads
