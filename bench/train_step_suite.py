@@ -40,6 +40,11 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
                                                         compile=True, activation_checkpointing="selective"), 150),
     "w1-1.7b-fsdp-32k-compile-full": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=32768,
                                                          compile=True, activation_checkpointing="full"), 150),
+    # larger micro-batches: fewer, longer LM-head / weight-gradient passes (selective recompute to fit)
+    "w1-1.7b-fsdp-64k-compile-sel": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=65536,
+                                                        compile=True, activation_checkpointing="selective"), 150),
+    "w1-1.7b-fsdp-48k-compile": ("train_step", dict(workload="W1", backend="fsdp", max_tokens_per_mb=49152,
+                                                    compile=True), 150),
     "naive-1.7b": ("naive", dict(workload="W1", micro_batch_size=4), 150),
     "logprob-65536x151936": ("logprob", dict(num_tokens=65536, vocab_size=151936, hidden_size=2048), 60),
     "memcurve-1.7b": ("memory_curve", dict(preset="qwen3-1.7b", tokens_per_mb_list=CURVE_TOKENS, backend="fsdp",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.models.config import ModelConfig
-from slipstream.ops.attention import cached_attention, varlen_causal_attention
+from slipstream.ops.attention import cached_attention, probe_native_gqa, varlen_causal_attention
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -234,6 +234,9 @@ class Transformer(nn.Module):
                 f"expected packed (T,) input_ids and position_ids, got {tuple(input_ids.shape)} "
                 f"and {tuple(position_ids.shape)}"
             )
+        if input_ids.is_cuda and self.cfg.num_kv_heads != self.cfg.num_heads and not torch.compiler.is_compiling():
+            # once per device, here and not inside a (checkpointed / compiled) block: see the probe
+            probe_native_gqa(input_ids.device)
         h = self.embed_tokens(input_ids)
         cos, sin = self._rope(position_ids, h.dtype)
         for layer in self.layers:

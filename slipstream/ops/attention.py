@@ -116,9 +116,9 @@ def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:
-            # Older kernels need equal head counts: query head h reads kv head h // group,
-            # which is what repeat_interleave on the head dim produces (same as HF repeat_kv).
+        elif not _NATIVE_GQA.get(q.device, False):
+            # Query head h reads kv head h // group, which is what repeat_interleave on the
+            # head dim produces (same as HF repeat_kv).
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
@@ -130,6 +130,56 @@ def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
             q = q * (scale * math.sqrt(q.shape[-1]))
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+# device -> whether varlen_attn takes fewer kv heads than query heads as they are (see probe_native_gqa)
+_NATIVE_GQA: dict[torch.device, bool] = {}
+
+
+def probe_native_gqa(device: torch.device) -> bool:
+    """Decide once per device whether `varlen_attn` can be given GQA k/v without repeating them.
+
+    FlashAttention handles GQA natively (query head h reads kv head h // group), but torch's
+    wrapper differs by version: some reject unequal head counts unless `enable_gqa=True` is
+    passed, some lack that argument and pass any head count through. Without the argument we
+    run a small GQA input both ways (as given, and with k/v repeated) and use the direct form
+    only when it runs and its output and gradients match. Until it has run for a device the
+    repeat is used. Call it outside autograd-recorded regions (it runs its own small backward,
+    which must not land inside an activation-checkpointed or compiled block):
+    `Transformer.forward` calls it before its blocks.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device in _NATIVE_GQA:
+        return _NATIVE_GQA[device]
+    found = _varlen_fn()
+    ok = False
+    if device.type == "cuda" and found is not None and "enable_gqa" not in found[1]:
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator(device=device).manual_seed(0)
+            shapes = {"q": (96, 4, 64), "k": (96, 2, 64), "v": (96, 2, 64)}
+            base = {n: torch.randn(s, device=device, dtype=torch.bfloat16, generator=gen) for n, s in shapes.items()}
+            cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
+            results = [_probe_once(device, native, base, cu) for native in (True, False)]
+        direct, repeated = results
+        ok = direct is not None and repeated is not None and all(
+            torch.allclose(a, b, atol=2e-2, rtol=2e-2) for a, b in zip(direct, repeated)
+        )
+    _NATIVE_GQA[device] = ok
+    return ok
+
+
+def _probe_once(device, native: bool, base: dict, cu: torch.Tensor) -> list[torch.Tensor] | None:
+    """Output and q/k/v gradients of the probe input with GQA passed natively or repeated."""
+    _NATIVE_GQA[device] = native
+    leaves = {n: t.clone().requires_grad_(True) for n, t in base.items()}
+    try:
+        out = _varlen_attention(leaves["q"], leaves["k"], leaves["v"], cu, 56, None)
+        out.float().square().sum().backward()
+    except (RuntimeError, ValueError):
+        return None
+    return [out.float()] + [leaves[n].grad.float() for n in ("q", "k", "v")]
 
 
 def _flex_attention(q, k, v, cu_seqlens, scale):

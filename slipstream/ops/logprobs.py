@@ -152,17 +152,34 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b).float()
 
 
+@functools.cache
+def _cuda_addmm_out_dtype_ok() -> bool:
+    # torch.addmm(acc, a, b, out_dtype=float32, out=acc) accumulates a bf16 GEMM into an fp32
+    # buffer inside the GEMM epilogue (no product temporary, no separate add pass).
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        acc = torch.ones(16, 16, dtype=_FP32, device="cuda")
+        torch.addmm(acc, a, a, out_dtype=_FP32, out=acc)
+        return bool((acc == 17.0).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc fp32 (in place, no temporary when a, b are fp32 too)."""
+    """acc += a @ b with acc fp32, in place; low-precision a, b accumulate in fp32 inside the GEMM."""
     if a.dtype == _FP32:
         acc.addmm_(a, b)
+    elif a.is_cuda and _cuda_addmm_out_dtype_ok():
+        torch.addmm(acc, a, b, out_dtype=_FP32, out=acc)
     else:
         acc.add_(mm_fp32(a, b))
 
 
 def _logits_fp32(h: torch.Tensor, w: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """One fresh fp32 tile of logits h @ w.T / tau (safe to modify in place)."""
-    return mm_fp32(h, w.T).mul_(inv_temp)
+    z = mm_fp32(h, w.T)
+    # at temperature 1 the scaling would be a full read + write of the fp32 tile for nothing
+    return z if inv_temp == 1.0 else z.mul_(inv_temp)
 
 
 def _torch_forward_stats(

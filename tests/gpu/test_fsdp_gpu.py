@@ -112,17 +112,28 @@ def test_bf16_step_matches_local(pg):
 
 
 def test_offload_matches_no_offload(pg):
+    """Offload on and off agree as closely as two runs without offload agree with each other.
+
+    The bf16 backward is not bit-reproducible on the GPU (flash-attention and the embedding
+    backward accumulate with atomics), and AdamW turns that noise into weight differences
+    of up to ~lr * noise (the tied embedding shows it most). So the bound on each weight is
+    the run-to-run spread of two identical no-offload engines, with a margin.
+    """
     plain = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=False)
+    again = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=False)
     offload = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=True)
     assert local_device(plain) == {"cuda"} and local_device(offload) == {"cpu"}
     for seed, loss in ((1, LOSSES[0]), (2, LOSSES[1])):
-        want, got = step(plain, seed, loss), step(offload, seed, loss)
+        want, noise, got = step(plain, seed, loss), step(again, seed, loss), step(offload, seed, loss)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
+            assert noise[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
     assert local_device(offload) == {"cpu"}
-    want_w, got_w = dict(plain.export_weights()), dict(offload.export_weights())
-    for name in want_w:
-        torch.testing.assert_close(got_w[name].cuda(), want_w[name], atol=1e-5, rtol=0, msg=name)
+    want_w, again_w, got_w = (dict(e.export_weights()) for e in (plain, again, offload))
+    for name, want in want_w.items():
+        floor = float((again_w[name] - want).abs().max())
+        diff = float((got_w[name].cuda() - want).abs().max())
+        assert diff <= 4 * floor + 2e-6, (name, diff, floor)
 
 
 def _assert_steps_close(got: dict, want: dict) -> None:
