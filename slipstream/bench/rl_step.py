@@ -16,8 +16,10 @@ steps. Only the backend (`actor.backend`) varies between the slipstream cells.
       warmup_steps: 1
       overrides: [rollout.max_new_tokens=4]
 
-Cells: slipstream x local|fsdp run (world size 1); slipstream x megatron, trl x * and verl x *
-are explained rows without numbers (no rl-step adapter yet, or no engine).
+Cells: slipstream x local|fsdp run (world size 1); trl x local|fsdp runs TRL's own
+GRPOTrainer.train() on the same recipe (slipstream/bench/peers/trl_rl_step.py; TRL has one
+engine, so both backend columns run the same TRL code); slipstream x megatron and verl x * are
+explained rows without numbers.
 """
 
 from __future__ import annotations
@@ -304,8 +306,10 @@ def run_rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backe
                 "wired into RLTrainer yet",
             }
         return run_slipstream_rl_step(rl, spec.settings, backend)
-    if framework == "trl" and backend == "megatron":
-        return {"status": "not-applicable", "reason": "TRL has no Megatron engine (it trains through accelerate)"}
+    if framework == "trl":
+        from slipstream.bench.peers.trl_rl_step import run_trl_rl_step_cell
+
+        return run_trl_rl_step_cell(rl, spec.settings, backend)
     return {
         "status": "not-available",
         "reason": f"rl-step adapter for {framework} not written yet (its train-step adapter exists; "

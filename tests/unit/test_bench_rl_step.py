@@ -135,9 +135,9 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
     rows = run_matrix(spec, out)
     assert read_rows(out) == json.loads(json.dumps(rows))
     by_cell = {r["cell"]: r for r in rows}
-    assert [r["status"] for r in rows] == ["ok", "ok", "not-available", "not-available", "not-available",
+    assert [r["status"] for r in rows] == ["ok", "ok", "not-available", "ok", "ok",
                                            "not-applicable", "not-available", "not-available", "not-available"]
-    assert "rl-step adapter for trl not written yet" in by_cell["demo/trl/fsdp"]["reason"]
+    assert "TRL has no Megatron engine" in by_cell["demo/trl/megatron"]["reason"]
     assert "rl-step adapter for verl not written yet" in by_cell["demo/verl/local"]["reason"]
     for r in rows:
         assert tuple(r) == ROW_KEYS and r["mode"] == "rl-step"
@@ -151,7 +151,12 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
         if r["status"] != "ok":
             assert r["phases"] == {} and r["metrics"] == {} and r["reason"]
     local, fsdp = by_cell["demo/slipstream/local"], by_cell["demo/slipstream/fsdp"]
-    for r in (local, fsdp):
+    trl_local = by_cell["demo/trl/local"]
+    # TRL's own GRPOTrainer on the same recipe: one optimizer step per 32 completions, dapo == token-mean
+    assert trl_local["impl"]["name"] == "trl" and trl_local["impl"]["grpo_config"]["loss_type"] == "dapo"
+    assert trl_local["impl"]["grpo_config"]["per_device_train_batch_size"] == 32
+    assert trl_local["fairness"]["rollout"].startswith("TRL default generation")
+    for r in (local, fsdp, trl_local):
         m = r["metrics"]
         for key in CORE_METRICS:
             assert len(m[key]["values"]) == 2, key  # 3 steps, 1 warm-up discarded
@@ -167,7 +172,8 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
         # MFU against the 1 TFLOP/s override equals the TFLOP/s figure, step by step
         assert m["perf/actor_train_mfu"]["values"] == pytest.approx(m["perf/actor_train_tflops"]["values"])
         assert not any(k.startswith("perf/max_memory_allocated_gb/") for k in m)
-        assert len(m["reward/mean"]["all_steps"]) == 3 and r["impl"]["backend"] == r["backend"]
+        assert len(m["reward/mean"]["all_steps"]) == 3
+        assert r["impl"].get("backend", r["backend"]) == r["backend"]
         # 32 sequences of a 3-token prompt (BOS, digit, '=') and 1 or 2 response tokens, no padding
         assert 32 * (3 + 1) <= r["fairness"]["real_tokens"] <= 32 * (3 + 2)
     # Same seed, same recipe: the first rollout happens before any update, so both backends score it alike.
@@ -176,7 +182,8 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
     paths = write_matrix_report(out, tmp_path / "report")
     md = paths["markdown"].read_text()
     assert "# Benchmark matrix (rl-step)" in md and "| demo (tiny) | slipstream | fsdp | ok |" in md
-    assert "- `demo/trl/fsdp` **not-available**: rl-step adapter for trl not written yet" in md
+    assert "| demo (tiny) | trl | local | ok |" in md
+    assert "- `demo/verl/fsdp` **not-available**: rl-step adapter for verl not written yet" in md
     assert "not measured (it is read from the CUDA allocator)" in md
     for name in ("phases", "mfu", "memory"):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,3 +225,21 @@ def test_report_renders_rl_step_rows_with_memory():
     assert "- `demo/trl/fsdp` **not-available**: rl-step adapter for trl not written yet" in md
     assert "NVIDIA H200" in md and "`abc1234`" in md and "2 steps per cell, the first 1 discarded" not in md
     assert "3 steps per cell, the first 1 discarded" in md and "not measured" not in md
+
+
+def test_trl_settings_follow_the_recipe():
+    from slipstream.bench.peers.trl_rl_step import reward_function, task_dataset, trl_settings
+    from slipstream.config.loader import load_config
+
+    cfg = load_config(DEMO, ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.05", "actor.grad_clip=0.5"])
+    got = trl_settings(cfg)
+    assert got["loss_type"] == "grpo" and got["beta"] == 0.05 and got["max_grad_norm"] == 0.5
+    assert got["per_device_train_batch_size"] == 16 * 8 and got["num_generations"] == 8
+    assert got["max_completion_length"] == 1 and got["learning_rate"] == 1e-3
+    with pytest.raises(ValueError, match="no TRL loss_type equivalent"):
+        trl_settings(load_config(DEMO, ["algo.loss_agg=seq-mean-token-sum"]))
+    data, task = task_dataset(cfg, 5)
+    assert len(data) == 5 and all(p.endswith("=") for p in data["prompt"])
+    reward = reward_function(cfg, task)
+    # the recipe's exact-match reward, called through TRL's signature
+    assert reward(["7=", "3="], ["7", "4"], answer=["7", "3"]) == [1.0, 0.0]
