@@ -137,6 +137,13 @@ def main() -> None:
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]
     for name, (us, count) in top:
         print(f"{us / 1e3:8.1f} ms {count:6d}x  {categorise(name)[:18]:18s} {name[:90]}")
+    print("\ntop 3 kernels of each other category:")
+    for label in sorted(per_cat, key=lambda c: -per_cat[c]):
+        if label == "matmul":
+            continue
+        names = sorted((kv for kv in per_name.items() if categorise(kv[0]) == label), key=lambda kv: -kv[1][0])[:3]
+        for name, (us, count) in names:
+            print(f"  {label[:24]:24s} {us / 1e3:7.1f} ms {count:6d}x  {name[:100]}")
     if args.out:
         record = {
             "workload": w.name, "preset": w.preset, "backend": args.backend,
