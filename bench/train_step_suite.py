@@ -56,6 +56,8 @@ VARIANTS: dict[str, tuple[str, dict, int]] = {
     # (recorded as such); the real 8B number needs --backend fsdp over >= 2 GPUs.
     "w1-8b-fsdp": ("train_step", dict(workload="W1-8b", backend="fsdp", max_tokens_per_mb=16384,
                                       activation_checkpointing="full"), 120),
+    "w1-8b-fsdp-8k": ("train_step", dict(workload="W1-8b", backend="fsdp", max_tokens_per_mb=8192,
+                                         activation_checkpointing="full", repeats=2), 150),
 }
 NAIVE_FALLBACK_MBS = 2  # when 4 padded sequences per micro-batch do not fit
 SMOKE_ENV = "SLIPSTREAM_SUITE_SMOKE"
@@ -84,7 +86,7 @@ def run_variant(name: str) -> dict:
     if os.environ.get(SMOKE_ENV) == "1":
         kwargs = _smoke_kwargs(kind, kwargs)
     if kind == "train_step":
-        return train_step.bench_train_step(repeats=REPEATS, warmup=WARMUP, **kwargs)
+        return train_step.bench_train_step(**{"repeats": REPEATS, "warmup": WARMUP, **kwargs})
     if kind == "naive":
         try:
             return naive.bench_naive(repeats=REPEATS, warmup=WARMUP, **kwargs)
