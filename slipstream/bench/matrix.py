@@ -8,7 +8,9 @@ so a row read on its own says exactly what was measured. Each cell produces one 
   slipstream x megatron  status "not-available": slipstream has no Megatron train step yet
   trl x fsdp             TRL's own GRPOTrainer loss path (peers/trl_adapter.py)
   trl x megatron         status "not-applicable": TRL has no Megatron engine
-  verl x *               peers/verl_adapter.py ("missing" where verl cannot be installed)
+  verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir (peers/verl_adapter.py);
+                         "missing" without a verl site directory
+  verl x megatron        status "not-available": verl's Megatron engine needs Transformer Engine
 
 `mode: rl-step` runs whole GRPO steps from a recipe instead (rl_step.py): slipstream on the
 local / fsdp backend at world size 1; peers get explained rows until their rl-step adapters exist.
@@ -100,11 +102,23 @@ class TrlSettings:
 
 @dataclass(frozen=True)
 class VerlSettings:
-    """The verl configuration a GPU run would use (recorded in its row)."""
+    """How the verl cell runs verl's FSDP actor (peers/verl_adapter.py); verl's defaults unless noted."""
 
     attn_implementation: str = "sdpa"
     use_remove_padding: bool = False
     """verl's remove-padding fast path needs flash-attn; the padded sdpa path does not."""
+    strategy: str = "fsdp"
+    """verl's FSDP engine version: "fsdp" (FSDP1, verl's default) or "fsdp2"."""
+    use_dynamic_bsz: bool = True
+    """Cut micro-batches by a real-token budget (verl's default is off: a fixed number of sequences)."""
+    max_token_len_per_gpu: int | None = None
+    """verl's ppo_max_token_len_per_gpu with dynamic bsz; None: the held-constant max_tokens_per_mb."""
+    micro_batch_size_per_gpu: int = 8
+    """Sequences per micro-batch when use_dynamic_bsz is off."""
+    use_torch_compile: bool = True
+    """verl's actor / engine use_torch_compile (its default)."""
+    site_dir: str | None = None
+    """Site directory holding verl and its pinned packages (bench/peers_verl_wheels.sh); None: $SLIPSTREAM_VERL_SITE."""
 
 
 @dataclass(frozen=True)
@@ -310,8 +324,56 @@ def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSetti
         use_remove_padding=_bool(
             "peers.verl.use_remove_padding", verl_raw.get("use_remove_padding", v.use_remove_padding)
         ),
+        strategy=_choice("peers.verl.strategy", verl_raw.get("strategy", v.strategy), ("fsdp", "fsdp2")),
+        use_dynamic_bsz=_bool("peers.verl.use_dynamic_bsz", verl_raw.get("use_dynamic_bsz", v.use_dynamic_bsz)),
+        max_token_len_per_gpu=_optional_int(
+            "peers.verl.max_token_len_per_gpu", verl_raw.get("max_token_len_per_gpu", v.max_token_len_per_gpu)
+        ),
+        micro_batch_size_per_gpu=_int(
+            "peers.verl.micro_batch_size_per_gpu",
+            verl_raw.get("micro_batch_size_per_gpu", v.micro_batch_size_per_gpu), 1,
+        ),
+        use_torch_compile=_bool(
+            "peers.verl.use_torch_compile", verl_raw.get("use_torch_compile", v.use_torch_compile)
+        ),
+        site_dir=_site_dir("peers.verl.site_dir", verl_raw.get("site_dir", v.site_dir)),
     )  # fmt: skip
+    _check_verl_fits(verl, workloads)
     return trl, verl
+
+
+def _optional_int(where: str, value) -> int | None:
+    return None if value is None else _int(where, value, 1)
+
+
+def _site_dir(where: str, value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"matrix spec: {where} must be a directory path, got {value!r}")
+    if not (Path(value).expanduser() / "verl" / "__init__.py").is_file():
+        raise ValueError(
+            f"matrix spec: {where}={value!r} is not a verl site directory (no verl/__init__.py); "
+            "build one with bench/peers_verl_wheels.sh"
+        )
+    return value
+
+
+def _check_verl_fits(verl: VerlSettings, workloads: tuple[Workload, ...]) -> None:
+    """verl's own asserts, checked before any cell runs (they would fail deep inside its engine)."""
+    from slipstream.bench.workloads import seq_lens
+
+    for w in workloads:
+        if verl.max_token_len_per_gpu is not None and verl.max_token_len_per_gpu < max(seq_lens(w)):
+            raise ValueError(
+                f"matrix spec: peers.verl.max_token_len_per_gpu={verl.max_token_len_per_gpu} is below the longest "
+                f"sequence ({max(seq_lens(w))} tokens) of workload {w.name!r}"
+            )
+        if not verl.use_dynamic_bsz and w.num_seqs % verl.micro_batch_size_per_gpu:
+            raise ValueError(
+                f"matrix spec: peers.verl.micro_batch_size_per_gpu={verl.micro_batch_size_per_gpu} does not divide "
+                f"the {w.num_seqs} sequences of workload {w.name!r}"
+            )
 
 
 def load_spec(path: str | Path) -> MatrixSpec:

@@ -38,12 +38,14 @@ PEERS: dict[str, PeerInfo] = {
         name="verl",
         module="verl",
         install=(
-            "pip install --target <separate site dir> verl==0.9.1 'transformers<5.11' 'tensordict<=0.10' ray "
-            "&& PYTHONPATH=<separate site dir> slipstream bench matrix ..."
+            "bash bench/peers_verl_wheels.sh gpu && pip install --no-index --no-deps --target /tmp/verl-site "
+            ".whl/verl/*.whl && export SLIPSTREAM_VERL_SITE=/tmp/verl-site "
+            "(Python 3.11 here: bash bench/peers_verl_wheels.sh local /tmp/verl-site)"
         ),
         note=(
-            "verl 0.9.1 imports ray at module load and pins transformers<5.11 and tensordict<=0.10, which "
-            "conflict with slipstream's transformers 5.x: it needs its own site directory."
+            "verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, which conflict with slipstream's "
+            "transformers 5.x: it runs in a subprocess from its own site directory (peers.verl.site_dir or "
+            "SLIPSTREAM_VERL_SITE), with import-only stand-ins for ray, uvicorn, fastapi and pydantic."
         ),
     ),
 }
