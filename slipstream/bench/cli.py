@@ -22,6 +22,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _backend(text: str) -> str:
+    from slipstream.config.schema import parse_backend  # dataclasses only: cheap at parse time
+
+    try:
+        parse_backend(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` with its `train-step` and `matrix` sub-commands on the top-level subparsers."""
     bench = subparsers.add_parser("bench", help="measure the training step (and baselines) on fixed workloads")
@@ -29,7 +39,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("train-step", help="time the actor update and log-prob pass of one workload")
     p.add_argument("--workload", default="W1", help="named workload: W1, W1-0.6b, W1-4b, W1-8b, tiny (default W1)")
     p.add_argument("--preset", default=None, help="run the workload's lengths on another model preset")
-    p.add_argument("--backend", choices=("local", "fsdp"), default="local")
+    p.add_argument("--backend", type=_backend, default="local",
+                   help="local, fsdp, megatron or megatron:d<D>t<T>p<P>c<C> (default local)")  # fmt: skip
     p.add_argument("--max-tokens-per-mb", type=int, default=16384, help="micro-batch token budget (default 16384)")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")

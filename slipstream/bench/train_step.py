@@ -27,7 +27,7 @@ from slipstream.algo.losses import LossSpec, policy_loss
 from slipstream.batching.planner import quadratic_scale_for
 from slipstream.batching.records import PackedBatch
 from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, synthetic_batch
-from slipstream.config.schema import ActorSection
+from slipstream.config.schema import ActorSection, parse_backend
 from slipstream.engine.distributed import rank as dist_rank
 from slipstream.engine.distributed import world_size
 from slipstream.engine.factory import build_engine, local_micro_batches
@@ -57,7 +57,7 @@ class BenchLoss:
 
 
 def resolve_device(device: torch.device | str | None, backend: str = "local") -> torch.device:
-    """None picks CUDA when present, else the CPU; under torchrun the fsdp backend uses GPU LOCAL_RANK."""
+    """None picks CUDA when present, else the CPU; under torchrun fsdp / megatron use GPU LOCAL_RANK."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -65,7 +65,8 @@ def resolve_device(device: torch.device | str | None, backend: str = "local") ->
         raise ValueError(f"device {device} requested but CUDA is not available")
     if device.type == "cuda" and device.index is None:
         # Build the model on this rank's GPU, not on GPU 0 of every rank.
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if backend == "fsdp" else torch.cuda.current_device())
+        distributed = parse_backend(backend)[0] in ("fsdp", "megatron")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if distributed else torch.cuda.current_device())
     return device
 
 
@@ -186,8 +187,7 @@ def build_engine_for_bench(
     compile: bool = False,
 ):
     """A trainable engine (AdamW, lr 1e-6) around `model`, built by the shared factory."""
-    if backend not in ("local", "fsdp"):
-        raise ValueError(f"backend must be 'local' or 'fsdp', got {backend!r}")
+    parse_backend(backend)  # ValueError naming the accepted forms
     if activation_checkpointing not in AC_MODES:
         raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
     actor = ActorSection(

@@ -6,6 +6,8 @@ turns them into docs/config.md, and a test keeps the two in sync.
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -128,12 +130,66 @@ class AlgoSection:
     """Cap of the importance weight pi_old / pi_behaviour (decoupled PPO); None does not use it."""
 
 
+BACKENDS = ("local", "fsdp", "megatron")
+_LAYOUT_RE = re.compile(r"(?:d(\d+))?(?:t(\d+))?(?:p(\d+))?(?:c(\d+))?")
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """Parallel sizes of the megatron backend; `dp=None` means world size / (tp * pp * cp)."""
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """D for this world size; ValueError when the sizes do not multiply to it."""
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}")
+        dp = world_size // model_parallel
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"actor.backend asks for d{self.dp} but world size {world_size} / (tp*pp*cp = {model_parallel}) = {dp}"
+            )
+        return dp
+
+
+def parse_backend(text: str) -> tuple[str, MegatronLayout | None]:
+    """("local" | "fsdp" | "megatron", layout) from an actor.backend string such as "megatron:d2t4".
+
+    The layout is None for local / fsdp. After "megatron:" each of d, t, p, c may appear once, in
+    that order, followed by a positive integer.
+    """
+    name, sep, spec = text.partition(":")
+    if name not in BACKENDS:
+        close = difflib.get_close_matches(name, BACKENDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"actor.backend must be local, fsdp, megatron or megatron:d<D>t<T>p<P>c<C>, got {text!r}{hint}")
+    if name != "megatron":
+        if sep:
+            raise ValueError(f"actor.backend {name!r} takes no parallel sizes, got {text!r}")
+        return name, None
+    match = _LAYOUT_RE.fullmatch(spec)
+    if sep and (not spec or match is None):
+        raise ValueError(
+            f"actor.backend {text!r}: expected megatron:d<D>t<T>p<P>c<C> (letters in that order, each optional, "
+            f"each followed by a positive integer), e.g. megatron:t2 or megatron:d1t1p1c1"
+        )
+    sizes = [None if g is None else int(g) for g in (match.groups() if match else (None,) * 4)]
+    if any(v is not None and v < 1 for v in sizes):
+        raise ValueError(f"actor.backend {text!r}: parallel sizes must be >= 1")
+    dp, tp, pp, cp = sizes
+    return name, MegatronLayout(dp=dp, tp=tp or 1, pp=pp or 1, cp=cp or 1)
+
+
 @dataclass
 class ActorSection:
     """The policy update: backend, optimizer, micro-batching."""
 
-    backend: Literal["local", "fsdp"] = "local"
-    """Training backend: "local" (one process, CPU or one GPU) or "fsdp" (FSDP2; launch N GPUs with torchrun)."""
+    backend: str = "local"
+    """Training backend: "local" (one process, CPU or one GPU), "fsdp" (FSDP2; N GPUs with torchrun) or "megatron[:d<D>t<T>p<P>c<C>]" (megatron-core; sizes default to 1, D = world / (T*P*C))."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (attention / MLP inner ops) or full (every block)."""
     compile: bool = False
@@ -274,6 +330,7 @@ def check_config(cfg: Config) -> None:
         )
     if rw.timeout_s <= 0:
         raise ValueError(f"reward.timeout_s must be > 0, got {rw.timeout_s}")
+    parse_backend(cfg.actor.backend)
     if len(cfg.actor.betas) != 2:
         raise ValueError(f"actor.betas must have two values, got {cfg.actor.betas}")
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):

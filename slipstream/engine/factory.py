@@ -14,7 +14,7 @@ import torch
 from slipstream.batching.packing import scatter_per_token, select
 from slipstream.batching.planner import DEFAULT_QUADRATIC_SCALE, plan_micro_batches
 from slipstream.batching.records import PackedBatch
-from slipstream.config.schema import ActorSection
+from slipstream.config.schema import ActorSection, parse_backend
 from slipstream.engine.base import TrainEngine
 from slipstream.engine.distributed import all_reduce_
 from slipstream.engine.local import LocalEngine
@@ -32,7 +32,7 @@ def build_engine(
     forward_only: bool = False,
     offload: bool | None = None,
 ) -> TrainEngine:
-    """LocalEngine or FSDPEngine according to `actor.backend`; `forward_only` builds a frozen reference.
+    """LocalEngine, FSDPEngine or MegatronEngine according to `actor.backend`; `forward_only` builds a frozen reference.
 
     `offload=None` takes the actor section's setting: `offload_params` for the trainable
     engine, `offload_ref` for a forward-only one. `actor=None` means a forward-only local engine.
@@ -43,7 +43,19 @@ def build_engine(
         return LocalEngine(model, device, compute_dtype, temperature)
     if offload is None:
         offload = actor.offload_ref if forward_only else actor.offload_params
-    if actor.backend == "fsdp":
+    backend, layout = parse_backend(actor.backend)
+    if backend == "megatron":
+        from slipstream.engine.megatron.engine import MegatronEngine  # megatron-core only when asked for
+
+        if offload or actor.activation_checkpointing != "none" or actor.compile:
+            warnings.warn(
+                "actor.offload_params / offload_ref, activation_checkpointing and compile are not applied by the "
+                "megatron backend (engine.offload() / onload() move its state explicitly)", stacklevel=2,
+            )  # fmt: skip
+        return MegatronEngine(
+            model, device, compute_dtype, temperature, None if forward_only else actor, layout=layout
+        )
+    if backend == "fsdp":
         from slipstream.engine.fsdp import FSDPEngine  # torch.distributed only when asked for
 
         return FSDPEngine(
@@ -52,8 +64,6 @@ def build_engine(
             compile=actor.compile,
             offload=offload,
         )  # fmt: skip
-    if actor.backend != "local":
-        raise ValueError(f"unknown actor.backend {actor.backend!r}; expected 'local' or 'fsdp'")
     if offload:
         warnings.warn("parameter offload needs actor.backend='fsdp'; ignored by the local backend", stacklevel=2)
     if forward_only:

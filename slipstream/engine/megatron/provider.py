@@ -6,7 +6,9 @@ without it. Every function here assumes `megatron.core.parallel_state` is initia
 
 Layer spec: Transformer Engine's when it is installed and CUDA is available (fused norms,
 THD packed attention), otherwise megatron-core's local spec (plain torch modules). The two
-name their norm weights differently; `convert.detect_layout` tells them apart.
+name their norm weights differently; `convert.detect_layout` tells them apart. The training
+engine builds with `packed=True`: THD packed sequences through slipstream's varlen attention
+(`layers.py`) on the local spec, so packing works without TE.
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def init_model_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1) -> None:
+def init_model_parallel(tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, device_type: str | None = None) -> None:
     """Initialise megatron's parallel_state over the default process group (created if absent).
 
     Uses slipstream's `init_distributed` (torchrun variables, or a 1-process group), so the
-    Megatron and FSDP backends share one way of joining a job. Calling it again is a no-op.
+    Megatron and FSDP backends share one way of joining a job. `device_type=None` picks CUDA
+    when present. Calling it again is a no-op.
     """
     from megatron.core import parallel_state
 
     from slipstream.engine.distributed import init_distributed
 
-    _, world, _ = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    _, world, _ = init_distributed(device_type)
     if world % (tp_size * pp_size * cp_size):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp_size}*{pp_size}*{cp_size}")
     if not parallel_state.model_parallel_is_initialized():
@@ -100,11 +104,19 @@ def _rope_kwargs(cfg: ModelConfig) -> tuple[dict, bool]:
 
 
 def build_gpt_model(
-    cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, use_te: bool | None = None, **config_overrides
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    packed: bool = False,
+    **config_overrides,
 ):
     """megatron.core GPTModel for `cfg` (whole model on this pipeline stage; TP from parallel_state).
 
-    use_te=None picks Transformer Engine when `te_available()`. Extra keyword arguments go to
+    use_te=None picks Transformer Engine when `te_available()`. `packed=True` builds the
+    training engine's model: THD packed input without TE (the local spec's core attention is
+    replaced by `layers.VarlenCoreAttention`) and a forward that returns final-normed hidden
+    states instead of logits (`layers.HiddenStatesGPTModel`). Extra keyword arguments go to
     TransformerConfig (e.g. recompute settings).
     """
     from megatron.core.models.gpt import GPTModel
@@ -118,8 +130,15 @@ def build_gpt_model(
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    model_cls = GPTModel
+    if packed:
+        from slipstream.engine.megatron.layers import HiddenStatesGPTModel, VarlenCoreAttention
+
+        model_cls = HiddenStatesGPTModel
+        if not use_te:  # TE's own core attention takes THD input already
+            spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
     rope, override_inv_freq = _rope_kwargs(cfg)
-    model = GPTModel(
+    model = model_cls(
         config=tcfg,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -144,16 +163,23 @@ def load_megatron_state_dict(model: torch.nn.Module, mg_sd: Mapping[str, torch.T
         raise ValueError(f"weights do not match the model: missing {missing[:8]}, unexpected {unexpected}")
 
 
-def load_hf_weights(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Convert an HF-named full state dict, take this TP rank's shard, and load it into `model`."""
+def megatron_shard(
+    model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """This TP rank's Megatron-named tensors of an HF-named full state dict (dtype kept, views)."""
     from megatron.core import parallel_state
 
-    layout = detect_layout(model.state_dict())
-    mg = hf_to_megatron(hf_sd, cfg, layout=layout)
+    mg = hf_to_megatron(hf_sd, cfg, layout=detect_layout(model.state_dict()))
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if tp_size > 1:
         mg = shard_for_tp(mg, tp_size, parallel_state.get_tensor_model_parallel_rank(), cfg)
+    return mg
+
+
+def load_hf_weights(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Convert an HF-named full state dict, take this TP rank's shard, and load it into `model`."""
     params = next(model.parameters())
+    mg = megatron_shard(model, hf_sd, cfg)
     load_megatron_state_dict(model, {k: v.to(params.device, params.dtype) for k, v in mg.items()})
 
 
@@ -172,6 +198,7 @@ __all__ = [
     "transformer_config",
     "build_gpt_model",
     "load_megatron_state_dict",
+    "megatron_shard",
     "load_hf_weights",
     "hf_state_dict",
 ]

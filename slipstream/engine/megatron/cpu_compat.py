@@ -1,0 +1,46 @@
+"""Run megatron-core 0.16.1's DDP, distributed optimizer and schedules on the CPU (tests, `bench --preset tiny`).
+
+Those modules hard-code CUDA in a handful of places that carry no CUDA-specific logic:
+  * scalars created with `device="cuda"` (the schedule's token counter, the optimizer's
+    overflow / scale buffers, clip_grads' dummy buffer) and `Tensor.cuda()` copies;
+  * `torch.cuda.current_device()` as a device argument (grad buffers, RoPE tables);
+  * dtype checks written as `param.type() in ['torch.cuda.FloatTensor', ...]`.
+`cuda_calls_on_cpu()` redirects exactly these for the duration of a block: a TorchFunctionMode
+rewrites CUDA device arguments to the CPU, makes `.cuda()` an identity and reports CPU tensor
+types under their CUDA names, and `torch.cuda.current_device` returns "cpu". MegatronEngine
+enters it around its own calls when its device is the CPU, so the CPU runs the code the GPU runs;
+on CUDA it is never entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu() -> Iterator[None]:
+    """Redirect megatron-core's hard-coded CUDA calls (module docstring) to the CPU inside the block."""
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.current_device = current_device
