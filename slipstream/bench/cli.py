@@ -60,6 +60,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, default=Path("bench_results/matrix"),
                    help="directory for results.jsonl, matrix.md and the PNGs (default bench_results/matrix)")  # fmt: skip
     m.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.jsonl, run nothing")
+    m.add_argument("--resume", action="store_true",
+                   help="keep the rows already in OUT/results.jsonl for this spec and run only the missing cells")  # fmt: skip
     m.set_defaults(func=run_matrix_command)
     return p
 
@@ -116,7 +118,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     try:
         if not args.report_only:
             spec = load_spec(args.spec)
-            run_matrix(spec, results, log=print)
+            run_matrix(spec, results, log=print, resume=args.resume)
         paths = write_matrix_report(results, args.out)
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ micro-batch token budget, repeats, ...) is held constant and copied into every r
 so a row read on its own says exactly what was measured. Each cell produces one JSON row:
 
   slipstream x fsdp      bench_train_step(..., backend="fsdp") (the `bench train-step` numbers)
-  slipstream x megatron  status "not-available": slipstream has no Megatron train step yet
+  slipstream x megatron  bench_train_step(..., backend="megatron") (megatron-core engine; compile not applied)
   trl x fsdp             TRL's own GRPOTrainer loss path (peers/trl_adapter.py)
   trl x megatron         status "not-applicable": TRL has no Megatron engine
   verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir (peers/verl_adapter.py);
@@ -13,7 +13,7 @@ so a row read on its own says exactly what was measured. Each cell produces one 
   verl x megatron        status "not-available": verl's Megatron engine needs Transformer Engine
 
 `mode: rl-step` runs whole GRPO steps from a recipe instead (rl_step.py): slipstream on the
-local / fsdp backend at world size 1; peers get explained rows until their rl-step adapters exist.
+local / fsdp / megatron backend at world size 1, TRL's own GRPOTrainer.train(); verl an explained row.
 
 Row statuses: ok, missing (peer not installed; `install` says how), not-available,
 not-applicable, oom, error. Only "ok" rows carry numbers. Timing and statistics follow
@@ -413,16 +413,19 @@ _KERNEL_NAMES = {
 }
 
 
-def _slipstream_fsdp(w: Workload, s: CellSettings) -> dict:
+def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
+    """slipstream's own training step on `backend` ("fsdp" or "megatron"), via `bench_train_step`."""
     import torch
 
     from slipstream.bench.train_step import bench_train_step
     from slipstream.ops.attention import select_backend
 
     dtype = getattr(torch, s.dtype)
+    # The megatron engine does not torch.compile its blocks: the row says so instead of implying it.
+    compile = s.compile and backend == "fsdp"
     r = bench_train_step(
-        w, backend="fsdp", max_tokens_per_mb=s.max_tokens_per_mb, dtype=dtype, activation_checkpointing=s.recompute,
-        compile=s.compile, repeats=s.repeats, warmup=s.warmup, device=s.device, planner=s.planner,
+        w, backend=backend, max_tokens_per_mb=s.max_tokens_per_mb, dtype=dtype, activation_checkpointing=s.recompute,
+        compile=compile, repeats=s.repeats, warmup=s.warmup, device=s.device, planner=s.planner,
         peak_flops=s.peak_flops,
     )  # fmt: skip
     device = torch.device(r["config"]["device"])
@@ -435,9 +438,12 @@ def _slipstream_fsdp(w: Workload, s: CellSettings) -> dict:
         "micro_batches": r["micro_batches"],
         "fairness": {
             "dtype": s.dtype,
-            "params_dtype": "float32 master weights, bf16 autocast compute" if mixed else "float32",
+            "params_dtype": (
+                ("bf16 params, fp32 main grads + fp32 master weights in the distributed optimizer" if backend == "megatron"
+                 else "float32 master weights, bf16 compute (FSDP2 mixed precision)") if mixed else "float32"
+            ),
             "attention_kernel": f"{_KERNEL_NAMES.get(kernel, kernel)} over packed sequences (no padding)",
-            "recompute": s.recompute,
+            "recompute": s.recompute if backend == "fsdp" else f"megatron recompute_granularity {s.recompute}",
             "real_tokens": tokens,
             "padded_tokens": tokens,  # packed: every token run through the model is real
             "padding_fraction": 0.0,
@@ -459,13 +465,7 @@ def run_cell(spec: MatrixSpec, w: Workload, framework: str, backend: str) -> dic
 
         return run_rl_step_cell(spec, w, framework, backend)  # type: ignore[arg-type]  # w is the RLStepSettings
     if framework == "slipstream":
-        if backend == "megatron":
-            return {
-                "status": "not-available",
-                "reason": "slipstream's Megatron backend is not built yet: bench_train_step supports only the "
-                "local and fsdp backends, so this cell has no timed path until the Megatron engine lands",
-            }
-        return _slipstream_fsdp(w, s)
+        return _slipstream_cell(w, s, backend)
     if framework == "trl":
         if backend == "megatron":
             return {"status": "not-applicable", "reason": "TRL has no Megatron engine (it trains through accelerate)"}
@@ -518,20 +518,59 @@ def make_row(spec: MatrixSpec, w: Workload, framework: str, backend: str, result
     return row
 
 
+def finished_rows(spec: MatrixSpec, out_jsonl: str | Path) -> dict[str, dict]:
+    """Rows of an earlier run of the same spec kept by `--resume`, by cell; "error" rows are run again.
+
+    Refuses rows recorded under other held-constant settings: a resumed table must not mix specs.
+    """
+    path = Path(out_jsonl)
+    if not path.exists():
+        return {}
+    rows = read_rows(path)
+    if spec.rl_step is not None:
+        from slipstream.bench.rl_step import held_constant_rl
+
+        held = held_constant_rl(spec)
+    else:
+        held = held_constant(spec)
+    held = json.loads(json.dumps(held))  # as stored (tuples -> lists)
+    for row in rows:
+        if row["held_constant"] != held:
+            raise ValueError(
+                f"--resume: {path} holds rows of another spec (cell {row['cell']} was run with different "
+                "held-constant settings); use a new --out directory"
+            )
+    return {row["cell"]: row for row in rows if row["status"] != "error"}
+
+
 def run_matrix(
-    spec: MatrixSpec, out_jsonl: str | Path | None = None, log: Callable[[str], None] | None = None
+    spec: MatrixSpec,
+    out_jsonl: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+    resume: bool = False,
 ) -> list[dict]:
-    """Run every cell; rows are appended to `out_jsonl` as each cell finishes (a crash keeps the rest)."""
+    """Run every cell; rows are appended to `out_jsonl` as each cell finishes (a crash keeps the rest).
+
+    `resume=True` keeps the rows already in `out_jsonl` for this spec and runs only the missing
+    (or failed) cells, so a matrix longer than one sitting can be finished in several.
+    """
     from slipstream.bench.peers import peer_versions
     from slipstream.bench.train_step import env_info
 
     env = {**env_info(), "peers": peer_versions()}
     out = Path(out_jsonl) if out_jsonl is not None else None
+    done = finished_rows(spec, out) if (resume and out is not None) else {}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("")
+        out.write_text("".join(json.dumps(row) + "\n" for row in done.values()))
     rows = []
     for w, framework, backend in spec.cells():
+        cell = f"{w.name}/{framework}/{backend}"
+        if cell in done:
+            rows.append(done[cell])
+            if log:
+                log(f"cell {cell}: kept from the earlier run ({done[cell]['status']})")
+            continue
         if log:
             log(f"cell {w.name}/{framework}/{backend} ...")
         try:
@@ -550,6 +589,8 @@ def run_matrix(
         if out is not None:
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+    if out is not None and done:  # kept rows were written first: restore the spec's cell order
+        out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
 

@@ -16,10 +16,9 @@ steps. Only the backend (`actor.backend`) varies between the slipstream cells.
       warmup_steps: 1
       overrides: [rollout.max_new_tokens=4]
 
-Cells: slipstream x local|fsdp run (world size 1); trl x local|fsdp runs TRL's own
+Cells: slipstream x local|fsdp|megatron run (world size 1); trl x local|fsdp runs TRL's own
 GRPOTrainer.train() on the same recipe (slipstream/bench/peers/trl_rl_step.py; TRL has one
-engine, so both backend columns run the same TRL code); slipstream x megatron and verl x * are
-explained rows without numbers.
+engine, so both backend columns run the same TRL code); verl x * are explained rows.
 """
 
 from __future__ import annotations
@@ -299,12 +298,6 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
 def run_rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend: str) -> dict:
     """The framework-specific part of one rl-step row; peers without an adapter get an explained row."""
     if framework == "slipstream":
-        if backend == "megatron":
-            return {
-                "status": "not-available",
-                "reason": "slipstream's RL loop runs actor.backend local or fsdp; the Megatron engine is not "
-                "wired into RLTrainer yet",
-            }
         return run_slipstream_rl_step(rl, spec.settings, backend)
     if framework == "trl":
         from slipstream.bench.peers.trl_rl_step import run_trl_rl_step_cell

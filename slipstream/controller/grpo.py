@@ -61,7 +61,7 @@ class RLTrainer:
         self.cfg = cfg
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(
-                "slipstream train runs as one process for now (CPU or one GPU, local or fsdp backend); "
+                "slipstream train runs as one process for now (CPU or one GPU; local, fsdp or megatron backend); "
                 "multi-GPU RL runs are not wired into the loop yet. `slipstream bench train-step "
                 "--backend fsdp` does run under torchrun."
             )

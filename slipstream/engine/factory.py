@@ -47,10 +47,10 @@ def build_engine(
     if backend == "megatron":
         from slipstream.engine.megatron.engine import MegatronEngine  # megatron-core only when asked for
 
-        if offload or actor.activation_checkpointing != "none" or actor.compile:
+        if offload or actor.compile:
             warnings.warn(
-                "actor.offload_params / offload_ref, activation_checkpointing and compile are not applied by the "
-                "megatron backend (engine.offload() / onload() move its state explicitly)", stacklevel=2,
+                "actor.offload_params / offload_ref and compile are not applied by the megatron backend "
+                "(engine.offload() / onload() move its state explicitly)", stacklevel=2,
             )  # fmt: skip
         return MegatronEngine(
             model, device, compute_dtype, temperature, None if forward_only else actor, layout=layout

@@ -122,13 +122,13 @@ def test_w1_spec_file():
 
 
 def test_rows_without_numbers_have_the_full_schema(tmp_path, monkeypatch):
-    # No cell here runs a model: megatron columns are explained rows.
-    spec = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["megatron"], recompute="selective"))
+    # No cell here runs a model: the peers' megatron columns are explained rows.
+    spec = parse_spec(_spec(frameworks=["trl", "verl"], backends=["megatron"], recompute="selective"))
     monkeypatch.delenv("SLIPSTREAM_VERL_SITE", raising=False)
     out = tmp_path / "r.jsonl"
     rows = run_matrix(spec, out)
     assert read_rows(out) == json.loads(json.dumps(rows))
-    assert [r["status"] for r in rows] == ["not-available", "not-applicable", "not-available"]
+    assert [r["status"] for r in rows] == ["not-applicable", "not-available"]
     for r in rows:
         assert tuple(r) == ROW_KEYS and r["schema"] == matrix.SCHEMA
         assert r["reason"] and r["phases"] == {} and r["metrics"] == {}
@@ -137,7 +137,7 @@ def test_rows_without_numbers_have_the_full_schema(tmp_path, monkeypatch):
         assert r["held_constant"] == rows[0]["held_constant"]
         assert r["workload"]["num_tokens"] == sum(p + q for p, q in matrix_lengths("tiny"))
         assert r["env"]["torch"] == torch.__version__ and "peers" in r["env"]
-    verl = rows[2]
+    verl = rows[1]
     assert "Transformer Engine" in verl["reason"] and verl["install"] is None
     assert verl["impl"]["config"]["engine"] == "megatron"
 
@@ -176,6 +176,35 @@ def test_failing_cell_is_recorded_or_raised(monkeypatch):
 
     monkeypatch.setattr(matrix, "run_cell", oom)
     assert run_matrix(parse_spec(_spec()))[0]["status"] == "oom"
+
+
+def test_resume_keeps_finished_cells_and_reruns_the_rest(tmp_path, monkeypatch):
+    calls, failing = [], {"verl"}
+
+    def fake_cell(spec, w, framework, backend):
+        calls.append(f"{w.name}/{framework}/{backend}")
+        if framework in failing:
+            raise RuntimeError("first sitting failed here")
+        return {"status": "not-applicable", "reason": f"run #{len(calls)}"}
+
+    monkeypatch.setattr(matrix, "run_cell", fake_cell)
+    spec = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["fsdp", "megatron"]))
+    out = tmp_path / "results.jsonl"
+    first = run_matrix(spec, out)
+    assert [r["status"] for r in first][-2:] == ["error", "error"] and len(calls) == 6
+    # the sitting stopped after four cells: drop the last two rows from the file
+    out.write_text("".join(line + "\n" for line in out.read_text().splitlines()[:4]))
+    calls.clear()
+    failing.clear()
+    second = run_matrix(spec, out, resume=True)
+    # kept: the four slipstream / trl rows; run again: the two verl cells (one "error" row, one absent)
+    assert calls == ["tiny/verl/fsdp", "tiny/verl/megatron"]
+    assert second[:4] == json.loads(json.dumps(first[:4])) and [r["reason"] for r in second[4:]] == ["run #1", "run #2"]
+    assert [r["cell"] for r in read_rows(out)] == [r["cell"] for r in second]  # spec order in the file
+    # rows of another spec are refused, not mixed into the table
+    other = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["fsdp", "megatron"], repeats=7))
+    with pytest.raises(ValueError, match="rows of another spec"):
+        run_matrix(other, out, resume=True)
 
 
 def test_noise_and_stats_by_hand():
@@ -299,11 +328,17 @@ def test_trl_loss_matches_slipstream(loss_type):
 
 def test_tiny_matrix_end_to_end(tmp_path):
     spec = parse_spec(_spec(
-        frameworks=["slipstream", "trl"], dtype="float32", repeats=2, warmup=0, recompute="full",
-        peers={"trl": {"per_device_train_batch_size": 4}},
+        frameworks=["slipstream", "trl"], backends=["fsdp", "megatron"], dtype="float32", repeats=2, warmup=0,
+        recompute="full", peers={"trl": {"per_device_train_batch_size": 4}},
     ))  # fmt: skip
     rows = run_matrix(spec, tmp_path / "results.jsonl")
-    slip, trl = rows
+    slip, mega, trl, trl_mega = rows
+    assert trl_mega["status"] == "not-applicable"
+    # the megatron column runs slipstream's megatron-core engine on the same batch and budget
+    assert mega["status"] == "ok" and mega["impl"]["config"]["backend"] == "megatron", mega["reason"]
+    assert mega["micro_batches"] == slip["micro_batches"] and tuple(mega["fairness"]) == FAIRNESS_KEYS
+    assert mega["phases"]["actor_train"]["tokens"] == slip["phases"]["actor_train"]["tokens"]
+    assert mega["fairness"]["recompute"] == "megatron recompute_granularity full"
     real = sum(p + r for p, r in matrix_lengths("tiny"))
     assert slip["status"] == "ok" and slip["impl"]["config"]["backend"] == "fsdp"
     assert tuple(slip["fairness"]) == FAIRNESS_KEYS

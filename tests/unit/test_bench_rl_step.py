@@ -135,7 +135,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
     rows = run_matrix(spec, out)
     assert read_rows(out) == json.loads(json.dumps(rows))
     by_cell = {r["cell"]: r for r in rows}
-    assert [r["status"] for r in rows] == ["ok", "ok", "not-available", "ok", "ok",
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "ok", "ok",
                                            "not-applicable", "not-available", "not-available", "not-available"]
     assert "TRL has no Megatron engine" in by_cell["demo/trl/megatron"]["reason"]
     assert "rl-step adapter for verl not written yet" in by_cell["demo/verl/local"]["reason"]
@@ -150,13 +150,13 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
                                  "prompts_per_step": 4, "group_size": 8, "num_seqs": 32, "max_new_tokens": 2}
         if r["status"] != "ok":
             assert r["phases"] == {} and r["metrics"] == {} and r["reason"]
-    local, fsdp = by_cell["demo/slipstream/local"], by_cell["demo/slipstream/fsdp"]
+    local, fsdp, mega = (by_cell[f"demo/slipstream/{b}"] for b in ("local", "fsdp", "megatron"))
     trl_local = by_cell["demo/trl/local"]
     # TRL's own GRPOTrainer on the same recipe: one optimizer step per 32 completions, dapo == token-mean
     assert trl_local["impl"]["name"] == "trl" and trl_local["impl"]["grpo_config"]["loss_type"] == "dapo"
     assert trl_local["impl"]["grpo_config"]["per_device_train_batch_size"] == 32
     assert trl_local["fairness"]["rollout"].startswith("TRL default generation")
-    for r in (local, fsdp, trl_local):
+    for r in (local, fsdp, mega, trl_local):
         m = r["metrics"]
         for key in CORE_METRICS:
             assert len(m[key]["values"]) == 2, key  # 3 steps, 1 warm-up discarded
@@ -178,6 +178,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
         assert 32 * (3 + 1) <= r["fairness"]["real_tokens"] <= 32 * (3 + 2)
     # Same seed, same recipe: the first rollout happens before any update, so both backends score it alike.
     assert local["metrics"]["reward/mean"]["first"] == fsdp["metrics"]["reward/mean"]["first"]
+    assert local["metrics"]["reward/mean"]["first"] == mega["metrics"]["reward/mean"]["first"]
 
     paths = write_matrix_report(out, tmp_path / "report")
     md = paths["markdown"].read_text()

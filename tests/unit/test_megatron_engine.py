@@ -9,6 +9,8 @@ grad_norm and the updated weights at once.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,20 @@ def test_one_step_matches_local(agg_mode, num_mbs):
     assert got["actor/num_micro_batches"] == num_mbs
     # A division by num_microbatches (or by the token count) would scale grad_norm and move the weights.
     assert_weights_close(dict(engine.export_weights()), dict(local.export_weights()), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_gives_the_same_step(mode):
+    loss = Loss(LossSpec(kl_coef=0.1, entropy_coef=0.01))
+    mbs = split(make_batch(6, 3), 2)
+    plain = megatron_engine()
+    again = megatron_engine(actor=dataclasses.replace(ACTOR, activation_checkpointing=mode))
+    assert again.gpt.config.recompute_granularity == mode
+    want = plain.forward_backward(mbs, loss, max_response_len=16) | plain.optim_step()
+    got = again.forward_backward(mbs, loss, max_response_len=16) | again.optim_step()
+    for key in METRICS:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    assert_weights_close(dict(again.export_weights()), dict(plain.export_weights()), atol=1e-7)
 
 
 def test_five_step_loss_curve_with_warmup():

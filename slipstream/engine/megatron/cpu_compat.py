@@ -4,7 +4,8 @@ Those modules hard-code CUDA in a handful of places that carry no CUDA-specific 
   * scalars created with `device="cuda"` (the schedule's token counter, the optimizer's
     overflow / scale buffers, clip_grads' dummy buffer) and `Tensor.cuda()` copies;
   * `torch.cuda.current_device()` as a device argument (grad buffers, RoPE tables);
-  * dtype checks written as `param.type() in ['torch.cuda.FloatTensor', ...]`.
+  * dtype checks written as `param.type() in ['torch.cuda.FloatTensor', ...]`;
+  * activation recompute saving the CUDA RNG state (`torch.cuda.get_rng_state`).
 `cuda_calls_on_cpu()` redirects exactly these for the duration of a block: a TorchFunctionMode
 rewrites CUDA device arguments to the CPU, makes `.cuda()` an identity and reports CPU tensor
 types under their CUDA names, and `torch.cuda.current_device` returns "cpu". MegatronEngine
@@ -37,10 +38,13 @@ class _CudaToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_calls_on_cpu() -> Iterator[None]:
     """Redirect megatron-core's hard-coded CUDA calls (module docstring) to the CPU inside the block."""
-    current_device = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.random.get_rng_state
     torch.cuda.current_device = lambda: "cpu"
+    # activation recompute saves the CUDA RNG state next to the CPU one; there is none here
+    # (restoring it goes through torch.cuda._lazy_call, which only queues work without CUDA)
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device = current_device
+        torch.cuda.current_device, torch.cuda.random.get_rng_state = saved

@@ -100,6 +100,23 @@ def _packed_seq_params(
     )  # fmt: skip
 
 
+def recompute_settings(mode: str) -> dict:
+    """TransformerConfig recompute options for `actor.activation_checkpointing`.
+
+    "full" recomputes every transformer layer in the backward (Megatron's uniform method, one
+    layer per checkpoint: the same boundaries as slipstream's per-block checkpointing);
+    "selective" is Megatron's own selective recompute (the core attention), which keeps less
+    than slipstream's selective mode (norms, RoPE, SiLU) recomputes; "none" stores everything.
+    """
+    if mode == "none":
+        return {}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    raise ValueError(f"activation_checkpointing must be none, selective or full, got {mode!r}")
+
+
 class MegatronEngine:
     """TrainEngine over megatron-core. `actor=None` builds a frozen, forward-only engine (reference model).
 
@@ -173,6 +190,7 @@ class MegatronEngine:
             use_cpu_initialization=self.device.type == "cpu",
             perform_initialization=False,  # every weight is overwritten from `model` below
             calculate_per_token_loss=True,  # see the module docstring: no division by #micro-batches
+            **recompute_settings(self.actor.activation_checkpointing if self.actor else "none"),
         )
         hf_sd = hf.to_hf_state_dict(model.state_dict())
         master = {k: v.to(self.device, torch.float32) for k, v in provider.megatron_shard(gpt, hf_sd, self.cfg).items()}
