@@ -18,6 +18,7 @@ from slipstream.engine.distributed import destroy_distributed, free_port, init_d
 from slipstream.engine.factory import build_engine, local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
+from slipstream.models import hf
 from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 
@@ -112,28 +113,32 @@ def test_bf16_step_matches_local(pg):
 
 
 def test_offload_matches_no_offload(pg):
-    """Offload on and off agree as closely as two runs without offload agree with each other.
+    """Offload on and off are equally close to an fp32 run of the same steps.
 
-    The bf16 backward is not bit-reproducible on the GPU (flash-attention and the embedding
-    backward accumulate with atomics), and AdamW turns that noise into weight differences
-    of up to ~lr * noise (the tied embedding shows it most). So the bound on each weight is
-    the run-to-run spread of two identical no-offload engines, with a margin.
+    Measured on the H200 (bench/diag_offload.py): two runs without offload are bit-identical,
+    while offload changes the bf16 gradients by up to ~2e-3 of their scale before the first
+    optimizer step (the offloaded path rounds at other points), and AdamW carries that into the
+    weights. So "matches" is judged against the fp32 result: a real offload bug (a dropped
+    micro-batch, a wrong scale) lands far from it, a different bf16 rounding does not.
     """
     plain = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=False)
-    again = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=False)
     offload = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, offload=True)
+    exact = FSDPEngine(make_model(), CUDA, torch.float32, 1.0, ACTOR, offload=False)
     assert local_device(plain) == {"cuda"} and local_device(offload) == {"cpu"}
     for seed, loss in ((1, LOSSES[0]), (2, LOSSES[1])):
-        want, noise, got = step(plain, seed, loss), step(again, seed, loss), step(offload, seed, loss)
+        want, got, ref = step(plain, seed, loss), step(offload, seed, loss), step(exact, seed, loss)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
-            assert noise[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
+            assert abs(got[key] - ref[key]) <= 2 * abs(want[key] - ref[key]) + 1e-4, key
     assert local_device(offload) == {"cpu"}
-    want_w, again_w, got_w = (dict(e.export_weights()) for e in (plain, again, offload))
-    for name, want in want_w.items():
-        floor = float((again_w[name] - want).abs().max())
-        diff = float((got_w[name].cuda() - want).abs().max())
-        assert diff <= 4 * floor + 2e-6, (name, diff, floor)
+    want_w, got_w, ref_w = (dict(e.export_weights()) for e in (plain, offload, exact))
+    dist_plain = sum(float((want_w[n] - ref_w[n]).square().sum()) for n in ref_w) ** 0.5
+    dist_offload = sum(float((got_w[n].cuda() - ref_w[n]).square().sum()) for n in ref_w) ** 0.5
+    init = hf.to_hf_state_dict(make_model().state_dict())
+    update = sum(float((ref_w[n] - init[n].to(CUDA)).square().sum()) for n in ref_w) ** 0.5
+    print(f"\n| |W_bf16 - W_fp32|: no offload {dist_plain:.3e}, offload {dist_offload:.3e}; |update| {update:.3e} |")
+    assert dist_offload <= 1.5 * dist_plain + 1e-6
+    assert dist_offload < 0.1 * update  # both bf16 runs made (nearly) the fp32 run's update
 
 
 def _assert_steps_close(got: dict, want: dict) -> None:

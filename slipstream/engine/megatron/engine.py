@@ -192,6 +192,9 @@ class MegatronEngine:
             calculate_per_token_loss=True,  # see the module docstring: no division by #micro-batches
             **recompute_settings(self.actor.activation_checkpointing if self.actor else "none"),
         )
+        # Megatron's own layers allocate on the current CUDA device, but plain torch modules of the
+        # local spec (e.g. the q/k norms) are built on the default device: move the whole model.
+        gpt.to(self.device)
         hf_sd = hf.to_hf_state_dict(model.state_dict())
         master = {k: v.to(self.device, torch.float32) for k, v in provider.megatron_shard(gpt, hf_sd, self.cfg).items()}
         provider.load_megatron_state_dict(gpt, {k: v.to(self.compute_dtype) for k, v in master.items()})
@@ -437,25 +440,26 @@ class MegatronEngine:
         self.num_steps = state["num_steps"]
 
     def offload(self) -> None:
-        """Parameters, grad buffers and optimizer state to the CPU (call between steps: grads are dropped)."""
+        """A frozen (reference) engine's parameters to the CPU; a trainable engine refuses.
+
+        megatron-core 0.16.1's DistributedOptimizer.offload_to_cpu failed on the H200 ("CUDA
+        error: invalid argument" copying an optimizer parameter after the DDP buffers were
+        offloaded), so the trainable engine does not offer offload yet rather than risk
+        corrupting its state; use actor.backend=fsdp with actor.offload_params for that.
+        """
         if self.device.type == "cpu":
             return
+        if self.optimizer is not None:
+            raise NotImplementedError(
+                "offload() of a trainable megatron engine is not supported (megatron-core 0.16.1's "
+                "DistributedOptimizer.offload_to_cpu fails on CUDA); use actor.backend=fsdp with actor.offload_params"
+            )
         torch.cuda.synchronize(self.device)
-        if self.optimizer is None:
-            self.gpt.cpu()
-        else:
-            for buffer in self.model.buffers:
-                buffer.offload_to_cpu(move_params=True, move_grads=True)
-            self.optimizer.offload_to_cpu()
+        self.gpt.cpu()
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.optimizer is not None:
             return
-        if self.optimizer is None:
-            self.gpt.to(self.device)
-        else:
-            for buffer in self.model.buffers:
-                buffer.reload_from_cpu(move_params=True, move_grads=True)
-            self.optimizer.restore_from_cpu()
+        self.gpt.to(self.device)
         torch.cuda.synchronize(self.device)
