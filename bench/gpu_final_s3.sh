@@ -15,6 +15,8 @@ stamp tests
 timeout 130 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_engine_gpu.py \
     "tests/gpu/test_fsdp_gpu.py::test_offload_matches_no_offload" 2>&1 | quiet > $RES/gpu_tests.txt
 grep -E "^\| |passed|failed|FAILED|Error" $RES/gpu_tests.txt | head -12
+stamp attention backends
+timeout 60 python bench/bench_attention.py 2>&1 | quiet | tail -3 | tee $RES/attention.txt
 stamp demo megatron
 timeout 70 python -m slipstream.cli train recipes/demo.yaml actor.backend=megatron trainer.device=cuda \
     trainer.run_dir=$RES/demo-megatron trainer.tensorboard=false trainer.log_every=50 2>&1 | quiet | tail -3
