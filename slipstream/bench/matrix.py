@@ -485,6 +485,14 @@ def _oom_types() -> tuple[type[BaseException], ...]:
     return (torch.OutOfMemoryError, OutOfMemory)
 
 
+def _workload_fields(w: Workload) -> dict:
+    """The `workload` field of a train-step row: the definition plus its sequence and token counts."""
+    from slipstream.bench.workloads import seq_lens
+
+    lens = seq_lens(w)
+    return {**dataclasses.asdict(w), "num_seqs": len(lens), "num_tokens": sum(lens)}
+
+
 def make_row(spec: MatrixSpec, w: Workload, framework: str, backend: str, result: dict, env: dict) -> dict:
     """One JSONL row: the common fields plus the cell's own result, with every ROW_KEYS key present."""
     if spec.settings.mode == "rl-step":
@@ -492,14 +500,12 @@ def make_row(spec: MatrixSpec, w: Workload, framework: str, backend: str, result
 
         return make_rl_step_row(spec, w, framework, backend, result, env)  # type: ignore[arg-type]
     from slipstream.bench.train_step import perf_metrics
-    from slipstream.bench.workloads import seq_lens
 
-    lens = seq_lens(w)
     phases = add_noise(result.get("phases") or {})
     row = {
         "schema": SCHEMA,
         "cell": f"{w.name}/{framework}/{backend}",
-        "workload": {**dataclasses.asdict(w), "num_seqs": len(lens), "num_tokens": sum(lens)},
+        "workload": _workload_fields(w),
         "framework": framework,
         "backend": backend,
         "mode": spec.settings.mode,
@@ -518,10 +524,15 @@ def make_row(spec: MatrixSpec, w: Workload, framework: str, backend: str, result
     return row
 
 
-def finished_rows(spec: MatrixSpec, out_jsonl: str | Path) -> dict[str, dict]:
-    """Rows of an earlier run of the same spec kept by `--resume`, by cell; "error" rows are run again.
+RERUN_ON_RESUME = ("error", "missing")
+"""Row statuses `--resume` runs again (a peer installed since, a crash); the others are results."""
 
-    Refuses rows recorded under other held-constant settings: a resumed table must not mix specs.
+
+def finished_rows(spec: MatrixSpec, out_jsonl: str | Path, env: Mapping | None = None) -> dict[str, dict]:
+    """Rows of an earlier run of the same spec kept by `--resume`, by cell; RERUN_ON_RESUME rows run again.
+
+    Refuses rows recorded under other held-constant settings, another workload definition or
+    (when `env` is given) another GPU / torch version: a resumed table must not mix those.
     """
     path = Path(out_jsonl)
     if not path.exists():
@@ -534,13 +545,21 @@ def finished_rows(spec: MatrixSpec, out_jsonl: str | Path) -> dict[str, dict]:
     else:
         held = held_constant(spec)
     held = json.loads(json.dumps(held))  # as stored (tuples -> lists)
+    workloads = {f"{w.name}/{f}/{b}": w for w, f, b in spec.cells()}
     for row in rows:
+        problem = None
         if row["held_constant"] != held:
-            raise ValueError(
-                f"--resume: {path} holds rows of another spec (cell {row['cell']} was run with different "
-                "held-constant settings); use a new --out directory"
-            )
-    return {row["cell"]: row for row in rows if row["status"] != "error"}
+            problem = "was run with different held-constant settings"
+        elif row["cell"] in workloads and spec.rl_step is None:
+            if row["workload"] != json.loads(json.dumps(_workload_fields(workloads[row["cell"]]))):
+                problem = "was run on a different workload definition"
+        if problem is None and env is not None:
+            for key in ("gpu", "torch"):
+                if row["env"].get(key) != env.get(key):
+                    problem = f"was run with {key} {row['env'].get(key)!r}, this machine has {env.get(key)!r}"
+        if problem:
+            raise ValueError(f"--resume: cell {row['cell']} in {path} {problem}; use a new --out directory")
+    return {row["cell"]: row for row in rows if row["status"] not in RERUN_ON_RESUME}
 
 
 def run_matrix(
@@ -559,7 +578,7 @@ def run_matrix(
 
     env = {**env_info(), "peers": peer_versions()}
     out = Path(out_jsonl) if out_jsonl is not None else None
-    done = finished_rows(spec, out) if (resume and out is not None) else {}
+    done = finished_rows(spec, out, env) if (resume and out is not None) else {}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(row) + "\n" for row in done.values()))

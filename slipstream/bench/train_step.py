@@ -198,12 +198,16 @@ def build_engine_for_bench(
 
 
 def plan_and_select(
-    batch: PackedBatch, cfg: ModelConfig, max_tokens_per_mb: int, algorithm: str = "kk"
+    batch: PackedBatch, cfg: ModelConfig, max_tokens_per_mb: int, algorithm: str = "kk", engine=None
 ) -> list[PackedBatch]:
-    """This rank's micro-batches under the shared planner, balanced over every data-parallel rank."""
+    """This rank's micro-batches under the shared planner, balanced over every data-parallel rank.
+
+    Ranks of one tensor-parallel group (megatron t>1) must see the same data, so the plan is
+    split over the engine's data-parallel ranks when it has them (`dp_rank` / `dp_size`).
+    """
+    rank, world = getattr(engine, "dp_rank", dist_rank()), getattr(engine, "dp_size", world_size())
     mbs, _ = local_micro_batches(
-        batch, max_tokens_per_mb, planner=algorithm, rank=dist_rank(), world=world_size(),
-        quadratic_scale=quadratic_scale_for(cfg),
+        batch, max_tokens_per_mb, planner=algorithm, rank=rank, world=world, quadratic_scale=quadratic_scale_for(cfg),
     )  # fmt: skip
     return mbs
 
@@ -251,7 +255,7 @@ def bench_train_step(
     engine = build_engine_for_bench(model, backend, device, dtype, max_tokens_per_mb, activation_checkpointing, compile)
     device = engine.device  # the fsdp backend pins this rank's GPU
     batch = synthetic_batch(w, cfg.vocab_size)
-    mbs = plan_and_select(batch, cfg, max_tokens_per_mb, planner)
+    mbs = plan_and_select(batch, cfg, max_tokens_per_mb, planner, engine)
     # Pinned host memory lets the per-micro-batch copies overlap compute, as in training.
     if device.type == "cuda":
         mbs = [_pin(mb) for mb in mbs]

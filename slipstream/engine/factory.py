@@ -47,11 +47,14 @@ def build_engine(
     if backend == "megatron":
         from slipstream.engine.megatron.engine import MegatronEngine  # megatron-core only when asked for
 
-        if offload or actor.compile:
-            warnings.warn(
-                "actor.offload_params / offload_ref and compile are not applied by the megatron backend "
-                "(engine.offload() / onload() move its state explicitly)", stacklevel=2,
-            )  # fmt: skip
+        if offload:
+            raise ValueError(
+                "actor.offload_params / actor.offload_ref are not supported by the megatron backend "
+                "(megatron-core 0.16.1's DistributedOptimizer.offload_to_cpu fails on CUDA); set them to false "
+                "or use actor.backend=fsdp"
+            )
+        if actor.compile:
+            warnings.warn("actor.compile: the megatron engine does not torch.compile its blocks", stacklevel=2)
         return MegatronEngine(
             model, device, compute_dtype, temperature, None if forward_only else actor, layout=layout
         )

@@ -156,16 +156,18 @@ def probe_native_gqa(device: torch.device) -> bool:
     found = _varlen_fn()
     ok = False
     if device.type == "cuda" and found is not None and "enable_gqa" not in found[1]:
-        with torch.inference_mode(False), torch.enable_grad():
-            gen = torch.Generator(device=device).manual_seed(0)
-            shapes = {"q": (96, 4, 64), "k": (96, 2, 64), "v": (96, 2, 64)}
-            base = {n: torch.randn(s, device=device, dtype=torch.bfloat16, generator=gen) for n, s in shapes.items()}
-            cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
-            results = [_probe_once(device, native, base, cu) for native in (True, False)]
-        direct, repeated = results
-        ok = direct is not None and repeated is not None and all(
-            torch.allclose(a, b, atol=2e-2, rtol=2e-2) for a, b in zip(direct, repeated)
-        )
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                gen = torch.Generator(device=device).manual_seed(0)
+                shapes = {"q": (96, 4, 64), "k": (96, 2, 64), "v": (96, 2, 64)}
+                base = {n: torch.randn(s, device=device, dtype=torch.bfloat16, generator=gen) for n, s in shapes.items()}
+                cu = torch.tensor([0, 40, 96], device=device, dtype=torch.int32)
+                direct, repeated = (_probe_once(device, native, base, cu) for native in (True, False))
+            ok = direct is not None and repeated is not None and all(
+                torch.allclose(a, b, atol=2e-2, rtol=2e-2) for a, b in zip(direct, repeated)
+            )
+        finally:
+            _NATIVE_GQA[device] = ok  # never left at the probe's intermediate value
     _NATIVE_GQA[device] = ok
     return ok
 

@@ -78,3 +78,20 @@ def test_auto_backend_and_model_forward_match_cpu():
         ref = cpu_model(ids, pos, cu, max(LENS))
         out = gpu_model(ids.cuda(), pos.cuda(), cu.cuda(), max(LENS))
     torch.testing.assert_close(out.float().cpu(), ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.skipif(attention._varlen_fn() is None, reason="needs torch varlen_attn")
+def test_gqa_native_and_repeated_paths_match_reference():
+    # Whatever the probe decides, both GQA forms the dispatcher can take must match the fp32 reference.
+    native = attention.probe_native_gqa(torch.device("cuda"))
+    print(f"\nvarlen_attn takes GQA k/v natively on this torch: {native}")
+    q, k, v, cu = _inputs(torch.bfloat16, hkv=2)
+    ref = sdpa_varlen_attention(q.float(), k.float(), v.float(), cu)
+    device = q.device
+    try:
+        for use_native in ((True, False) if native else (False,)):
+            attention._NATIVE_GQA[device] = use_native
+            out = varlen_causal_attention(q, k, v, cu, max(LENS), backend="varlen")
+            torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    finally:
+        attention._NATIVE_GQA[device] = native

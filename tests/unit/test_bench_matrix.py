@@ -203,8 +203,20 @@ def test_resume_keeps_finished_cells_and_reruns_the_rest(tmp_path, monkeypatch):
     assert [r["cell"] for r in read_rows(out)] == [r["cell"] for r in second]  # spec order in the file
     # rows of another spec are refused, not mixed into the table
     other = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["fsdp", "megatron"], repeats=7))
-    with pytest.raises(ValueError, match="rows of another spec"):
+    with pytest.raises(ValueError, match="different held-constant settings"):
         run_matrix(other, out, resume=True)
+    # ... and so are rows from another machine; a "missing" peer (installed since) runs again
+    rows = read_rows(out)
+    rows[0]["env"]["torch"] = "0.0-elsewhere"
+    rows[1]["status"] = "missing"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="tiny/slipstream/fsdp .* was run with torch '0.0-elsewhere'"):
+        run_matrix(spec, out, resume=True)
+    rows[0]["env"]["torch"] = torch.__version__
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls.clear()
+    run_matrix(spec, out, resume=True)
+    assert calls == ["tiny/slipstream/megatron"]
 
 
 def test_noise_and_stats_by_hand():

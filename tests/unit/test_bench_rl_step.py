@@ -239,6 +239,11 @@ def test_trl_settings_follow_the_recipe():
     assert got["max_completion_length"] == 1 and got["learning_rate"] == 1e-3
     with pytest.raises(ValueError, match="no TRL loss_type equivalent"):
         trl_settings(load_config(DEMO, ["algo.loss_agg=seq-mean-token-sum"]))
+    # recipe options TRL cannot express are refused, not dropped
+    with pytest.raises(ValueError, match=r"algo.ppo_n_minibatches=2, algo.entropy_coef=0.01"):
+        trl_settings(load_config(DEMO, ["algo.ppo_n_minibatches=2", "algo.entropy_coef=0.01"]))
+    with pytest.raises(ValueError, match="algo.kl_estimator='k1'"):
+        trl_settings(load_config(DEMO, ["algo.kl_coef=0.1", "algo.kl_estimator=k1"]))
     data, task = task_dataset(cfg, 5)
     assert len(data) == 5 and all(p.endswith("=") for p in data["prompt"])
     reward = reward_function(cfg, task)

@@ -348,3 +348,40 @@ def test_two_dp_ranks_match_one_process(tmp_path: Path):
             for key in METRICS:
                 assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (rank, key)
         assert_weights_close(res["weights"], dict(local.export_weights()), atol=1e-6)
+
+
+def _two_rank_tp_worker(rank: int, world: int, port: int, out_dir: str, preset: str) -> None:
+    """megatron:t2 -- every weight sharded over two TP ranks that see the same micro-batches."""
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    try:
+        engine = megatron_engine(preset, layout=MegatronLayout(tp=2))
+        assert (engine.tp_size, engine.dp_size) == (2, 1)
+        mbs = split(make_batch(6, 2), 2)
+        logprobs = [o.logprobs for o in engine.forward_logprobs(mbs)]
+        metrics = engine.forward_backward(mbs, TP_LOSS, max_response_len=16) | engine.optim_step()
+        torch.save({"logprobs": logprobs, "metrics": metrics, "weights": dict(engine.export_weights())},
+                   Path(out_dir) / f"tp{rank}.pt")  # fmt: skip
+    finally:
+        reset_megatron()
+
+
+TP_LOSS = Loss(LossSpec(kl_coef=0.1, entropy_coef=0.01))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])  # tied and untied LM head
+def test_two_tp_ranks_match_one_process(tmp_path: Path, preset: str):
+    # Fails when TP shards are left unflagged (the grad norm then drops TP rank 1's shards and the
+    # clip coefficient is wrong) or when the sharded master weights are not contiguous (crash).
+    mp.spawn(_two_rank_tp_worker, args=(2, free_port(), str(tmp_path), preset), nprocs=2, join=True)
+    local = LocalEngine(make_model(preset), CPU, torch.float32, 1.0, ACTOR)
+    mbs = split(make_batch(6, 2), 2)
+    want_lp = [o.logprobs for o in local.forward_logprobs(mbs)]
+    want = local.forward_backward(mbs, TP_LOSS, max_response_len=16) | local.optim_step()
+    for rank in range(2):
+        res = torch.load(tmp_path / f"tp{rank}.pt")
+        for got, exp in zip(res["logprobs"], want_lp, strict=True):
+            torch.testing.assert_close(got, exp, atol=1e-5, rtol=0)
+        for key in METRICS:
+            assert res["metrics"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (rank, key)
+        assert_weights_close(res["weights"], dict(local.export_weights()), atol=1e-6)

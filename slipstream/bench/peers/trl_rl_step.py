@@ -36,6 +36,19 @@ LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-tok
 def trl_settings(cfg) -> dict:
     """GRPOConfig keyword arguments equivalent to a slipstream Config (raises when there is no equivalent)."""
     a, r, algo = cfg.actor, cfg.rollout, cfg.algo
+    unmapped = {
+        "algo.ppo_n_minibatches": (algo.ppo_n_minibatches, 1),
+        "algo.ppo_epochs": (algo.ppo_epochs, 1),  # TRL's num_iterations would split one step over several
+        "algo.entropy_coef": (algo.entropy_coef, 0.0),
+        "algo.dual_clip_c": (algo.dual_clip_c, None),
+        "algo.behav_is_cap": (algo.behav_is_cap, None),
+        "rollout.stop": (tuple(r.stop or ()), ()),
+    }
+    if algo.kl_coef:
+        unmapped["algo.kl_estimator"] = (algo.kl_estimator, "k3")  # TRL's beta term is the k3 estimator
+    differing = [f"{key}={value!r}" for key, (value, default) in unmapped.items() if value != default]
+    if differing:
+        raise ValueError(f"the TRL rl-step cell has no equivalent for {', '.join(differing)} (leave them at default)")
     if algo.loss_agg not in LOSS_TYPES:
         raise ValueError(f"algo.loss_agg={algo.loss_agg!r} has no TRL loss_type equivalent ({sorted(LOSS_TYPES)})")
     if algo.advantage != "grpo":
@@ -49,7 +62,7 @@ def trl_settings(cfg) -> dict:
         weight_decay=a.weight_decay, max_grad_norm=a.grad_clip if a.grad_clip > 0 else 1e9,
         warmup_steps=a.warmup_steps, lr_scheduler_type="constant_with_warmup",
         loss_type=LOSS_TYPES[algo.loss_agg], beta=algo.kl_coef, epsilon=algo.clip_low,
-        epsilon_high=algo.clip_high, num_iterations=algo.ppo_epochs, scale_rewards="group" if algo.std_normalize else "none",
+        epsilon_high=algo.clip_high, num_iterations=1, scale_rewards="group" if algo.std_normalize else "none",
         gradient_checkpointing=a.activation_checkpointing != "none", seed=cfg.trainer.seed,
     )  # fmt: skip
 
@@ -203,11 +216,11 @@ class StepTimer:
         out = []
         for i in range(steps):
             train_s = max(self.step_s[i] - self.rollout_s[i], 1e-9)
-            flops = train_flops(model_cfg, self.seq_lens[i]) * cfg.algo.ppo_epochs
+            flops = train_flops(model_cfg, self.seq_lens[i])
             m = {
                 "perf/step_time": self.step_s[i], "perf/rollout_time": self.rollout_s[i],
                 "perf/actor_train_time": train_s, "perf/actor_train_tflops": flops / train_s / 1e12,
-                "perf/actor_train_tok_per_s": self.real_tokens[i] * cfg.algo.ppo_epochs / train_s,
+                "perf/actor_train_tok_per_s": self.real_tokens[i] / train_s,
                 "perf/wait_time_ratio": self.rollout_s[i] / self.step_s[i],
                 "perf/rollout_tokens_per_gpu_per_s": self.completion_tokens[i] / self.rollout_s[i],
                 "reward/mean": self.rewards[i] if i < len(self.rewards) else float("nan"),

@@ -38,7 +38,7 @@ calls; the code inside is the code the GPU runs (on CUDA the context is never en
 
 Not wired here (another issue): pipeline parallelism (PP>1 needs fixed micro-batch shapes and
 a per-stage state-dict mapping) and context parallelism (needs TE's ring attention); both
-raise ValueError. DP and TP run (TP>1 tested on the CPU for the vocab-parallel head only).
+raise ValueError. DP and TP run (t2 and d2 steps match one process on the CPU: tests/unit/test_megatron_engine.py).
 """
 
 from __future__ import annotations
@@ -98,6 +98,27 @@ def _packed_seq_params(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,
         max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
     )  # fmt: skip
+
+
+def _mark_tensor_parallel(gpt) -> None:
+    """Flag every TP-sharded weight as such (megatron-core sets the flag only in its weight init).
+
+    With `perform_initialization=False` (our weights are copied in afterwards) megatron-core
+    0.16.1 never sets `tensor_model_parallel` on the sharded weights, so the grad norm would
+    count them as replicas and drop TP ranks >= 1's shards. Must run before DDP and the
+    optimizer, which copy the flag to their buffers and main params.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in gpt.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
 def recompute_settings(mode: str) -> dict:
@@ -195,8 +216,13 @@ class MegatronEngine:
         # Megatron's own layers allocate on the current CUDA device, but plain torch modules of the
         # local spec (e.g. the q/k norms) are built on the default device: move the whole model.
         gpt.to(self.device)
+        _mark_tensor_parallel(gpt)
         hf_sd = hf.to_hf_state_dict(model.state_dict())
-        master = {k: v.to(self.device, torch.float32) for k, v in provider.megatron_shard(gpt, hf_sd, self.cfg).items()}
+        # TP shards of row-parallel weights are non-contiguous views; the optimizer flattens them
+        master = {
+            k: v.to(self.device, torch.float32).contiguous()
+            for k, v in provider.megatron_shard(gpt, hf_sd, self.cfg).items()
+        }
         provider.load_megatron_state_dict(gpt, {k: v.to(self.compute_dtype) for k, v in master.items()})
         return gpt, master
 
