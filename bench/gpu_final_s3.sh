@@ -26,6 +26,6 @@ timeout 100 python -m slipstream.cli bench matrix bench/matrix_rl_step_gpu.yaml 
     | grep -E "^\| demo|  -> " | head -12
 stamp train-step matrix
 [ -f docs/results/matrix-w1/results.jsonl ] && cp docs/results/matrix-w1/results.jsonl $RES/matrix/
-timeout $(( 575 - $(el) )) python -m slipstream.cli bench matrix bench/matrix_w1.yaml --out $RES/matrix --resume 2>&1 \
+timeout $(( ${DEADLINE:-575} - $(el) )) python -m slipstream.cli bench matrix bench/matrix_w1.yaml --out $RES/matrix --resume 2>&1 \
     | grep -E "^cell|  -> "
 stamp done
