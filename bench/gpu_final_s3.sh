@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/ve
 RES=/tmp/res5; rm -rf $RES; mkdir -p $RES/matrix
 quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|Params for bucket|^\s*$"; }
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
-left() { echo $(( ${DEADLINE:-540} - $(el) )); }
+left() { local t=$(( ${DEADLINE:-540} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }  # never 0 (= no limit)
 trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
 stamp train-step matrix
 [ -f docs/results/matrix-w1/results.jsonl ] && cp docs/results/matrix-w1/results.jsonl $RES/matrix/
@@ -25,10 +25,10 @@ stamp rl-step matrix
 timeout $(( $(left) < 100 ? $(left) : 100 )) python -m slipstream.cli bench matrix bench/matrix_rl_step_gpu.yaml \
     --out $RES/rl-step 2>&1 | quiet | grep -E "^\| demo|  -> " | head -12
 stamp tests
-timeout $(( $(left) - 45 )) python -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_engine_gpu.py \
+timeout $(left 45) python -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_engine_gpu.py \
     "tests/gpu/test_fsdp_gpu.py::test_offload_matches_no_offload" \
     "tests/gpu/test_attention_gpu.py::test_gqa_native_and_repeated_paths_match_reference" 2>&1 | quiet > $RES/gpu_tests.txt
 grep -E "^\| |passed|failed|FAILED|Error|natively" $RES/gpu_tests.txt | head -12
 stamp attention backends
-timeout $(( $(left) - 3 )) python bench/bench_attention.py 2>&1 | quiet | tail -3 | tee $RES/attention.txt
+timeout $(left 3) python bench/bench_attention.py 2>&1 | quiet | tail -3 | tee $RES/attention.txt
 stamp done
