@@ -165,7 +165,7 @@ def _cuda_addmm_out_dtype_ok() -> bool:
         return False
 
 
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with acc fp32, in place; low-precision a, b accumulate in fp32 inside the GEMM."""
     if a.dtype == _FP32:
         acc.addmm_(a, b)
@@ -294,9 +294,9 @@ def _backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):
             for r0 in range(0, num_tokens, rows):
                 g = tile_grad(r0, v0)
                 if need_h:
-                    _addmm_fp32(acc_h[r0 : r0 + rows], g, w_v)
+                    addmm_fp32(acc_h[r0 : r0 + rows], g, w_v)
                 if need_w:
-                    _addmm_fp32(acc_w, g.T, hidden[r0 : r0 + rows])
+                    addmm_fp32(acc_w, g.T, hidden[r0 : r0 + rows])
             if need_w:
                 grad_w[v0 : v0 + cols] = acc_w
         grad_h = acc_h.to(hidden.dtype) if need_h else None
@@ -309,9 +309,9 @@ def _backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None):
             for v0 in range(0, vocab, cols):
                 g = tile_grad(r0, v0)
                 if need_h:
-                    _addmm_fp32(acc_h, g, weight[v0 : v0 + cols])
+                    addmm_fp32(acc_h, g, weight[v0 : v0 + cols])
                 if need_w:
-                    _addmm_fp32(acc_w[v0 : v0 + cols], g.T, h_c)
+                    addmm_fp32(acc_w[v0 : v0 + cols], g.T, h_c)
             if need_h:
                 grad_h[r0 : r0 + rows] = acc_h
         grad_w = acc_w.to(weight.dtype) if need_w else None

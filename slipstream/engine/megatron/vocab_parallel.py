@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slipstream.ops.logprobs import addmm_fp32
+
 _DEFAULT_CHUNK_ROWS = 4096
 
 
@@ -66,7 +68,6 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             entropy[rows] = lse[rows] - mean_z[rows]
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         ctx.args = (vocab_start, temperature, chunk_rows, group)
-        ctx.mark_non_differentiable(lse)
         return logprobs, entropy if with_entropy else None
 
     @staticmethod
@@ -90,7 +91,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 grad_z -= grad_entropy[rows].float()[:, None] * p * (z - mean_z[rows, None])
             grad_z = grad_z / temperature
             grad_hidden[rows] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_z.T @ hidden[rows].float()
+            # bf16 GEMM with fp32 accumulation into grad_weight (as the TP=1 fused op does), not an fp32 GEMM
+            addmm_fp32(grad_weight, grad_z.T.to(hidden.dtype), hidden[rows])
         # h feeds every rank's vocabulary shard: its gradient is the sum of the shards' parts.
         _all_reduce(grad_hidden, dist.ReduceOp.SUM, group)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
