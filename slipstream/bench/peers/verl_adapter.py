@@ -184,7 +184,9 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
             "mini-batch (global batch_num_tokens)",
             "optimizer": f"{optim['optimizer']} lr={optim['lr']} betas=({optim['betas'][0]},{optim['betas'][1]}) "
             f"wd={optim['weight_decay']}, grad clip {optim['clip_grad']}, fp32 state",
-            "micro_batching": f"{cutting}: {mb['count']} micro-batches, each padded to its longest sequence",
+            "micro_batching": f"{cutting}: {mb['count']} micro-batches, each padded to its longest sequence; "
+            "timed with verl's own batch conversion and micro-batch planning (part of its trainer step; "
+            "slipstream plans before its timed region, ~10 ms of host time on W1)",
             "logprob_head": "full (B, S, V) logits; log_softmax + gather (flash-attn cross-entropy absent); "
             "log_probs phase also computes entropy from the logits",
         },
