@@ -85,7 +85,14 @@ def sdpa_varlen_attention(
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Reference path: one causal SDPA call per sequence (simple, correct, any device)."""
+    """Reference path: causal SDPA within each sequence (simple, correct, any device).
+
+    Small batches of several sequences (T^2 <= MASKED_SDPA_MAX_ELEMENTS) run as ONE SDPA call with
+    a document-causal boolean mask: the per-sequence loop is launch-bound there (the CPU demo packs
+    128 sequences of 4 tokens). Larger batches loop over the sequences, never building a T x T mask.
+    """
+    if 1 < cu_seqlens.numel() - 1 and q.shape[0] ** 2 <= MASKED_SDPA_MAX_ELEMENTS:
+        return _masked_sdpa(q, k, v, cu_seqlens, scale)
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()  # one host sync; fine for the CPU / fallback path
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -100,6 +107,22 @@ def sdpa_varlen_attention(
         )
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+MASKED_SDPA_MAX_ELEMENTS = 2048 * 2048
+"""Largest T x T document mask `sdpa_varlen_attention` builds instead of looping over sequences."""
+
+
+def _masked_sdpa(q, k, v, cu_seqlens, scale):
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device, torch.int64)
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+    pos = torch.arange(q.shape[0], device=q.device)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+    return out.transpose(0, 1)
 
 
 def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):

@@ -47,7 +47,7 @@ def test_tiny_rl_step_spec_file(monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe path in the file is relative to the repository root
     spec = load_spec(REPO / "bench" / "matrix_rl_step_tiny.yaml")
     assert spec.rl_step == RLStepSettings(recipe="recipes/demo.yaml", steps=6, warmup_steps=1, name="demo")
-    assert spec.frameworks == ("slipstream", "trl", "verl") and spec.backends == ("local", "fsdp")
+    assert spec.frameworks == ("slipstream", "trl", "verl") and spec.backends == ("local", "fsdp", "megatron")
 
 
 @pytest.mark.parametrize(

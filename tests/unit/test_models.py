@@ -116,6 +116,22 @@ def test_attention_matches_float64_block_diagonal_reference():
                          torch.ones(1, 3, 3, dtype=torch.bool))
 
 
+def test_sdpa_masked_and_per_sequence_paths_agree(monkeypatch):
+    # Small packed batches take one masked SDPA call; large ones loop over sequences. Same result.
+    torch.manual_seed(1)
+    lens = (3, 1, 9, 5)
+    q, k, v = (torch.randn(sum(lens), h, 8, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    grad = torch.randn(sum(lens), 4, 8)
+    results = []
+    for limit in (attention.MASKED_SDPA_MAX_ELEMENTS, 0):  # masked, then forced per-sequence
+        monkeypatch.setattr(attention, "MASKED_SDPA_MAX_ELEMENTS", limit)
+        out = sdpa_varlen_attention(q, k, v, cu, scale=0.3)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def _fake_varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """torch 2.10 signature: causal flag, no GQA, no scale (kernel uses 1/sqrt(D))."""
     assert is_causal and key.shape[1] == query.shape[1] and torch.equal(cu_seq_q, cu_seq_k)
