@@ -15,7 +15,7 @@ left() { local t=$(( ${DEADLINE:-540} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1;
 trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
 stamp train-step matrix
 [ -f docs/results/matrix-w1/results.jsonl ] && cp docs/results/matrix-w1/results.jsonl $RES/matrix/
-timeout ${MATRIX_S:-290} python -m slipstream.cli bench matrix bench/matrix_w1.yaml --out $RES/matrix --resume 2>&1 \
+timeout ${MATRIX_S:-290} python -m slipstream.cli bench matrix ${MATRIX_SPEC:-bench/matrix_w1.yaml} --out $RES/matrix --resume 2>&1 \
     | grep -E "^cell|  -> "
 stamp demo megatron
 timeout 70 python -m slipstream.cli train recipes/demo.yaml actor.backend=megatron trainer.device=cuda \
