@@ -18,8 +18,8 @@ import re
 
 import torch
 
+from slipstream.algo.losses import SpecLoss
 from slipstream.bench.train_step import (
-    BenchLoss,
     _build_model,
     build_engine_for_bench,
     plan_and_select,
@@ -95,7 +95,7 @@ def main() -> None:
     device = engine.device
     batch = synthetic_batch(w, cfg.vocab_size)
     mbs = plan_and_select(batch, cfg, args.max_tokens_per_mb)
-    loss_fn = BenchLoss()
+    loss_fn = SpecLoss(needs_entropy=False)
 
     def update() -> None:
         engine.forward_backward(mbs, loss_fn, max_response_len=w.response_len[1])

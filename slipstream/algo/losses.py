@@ -306,3 +306,20 @@ def policy_loss(
     if "is_weight" in stats:
         metrics["actor/is_weight_mean"] = token_mean(stats["is_weight"])
     return loss, metrics
+
+
+class SpecLoss:
+    """`policy_loss` bound to a LossSpec, in the engines' LossFn shape (see engine/base.py).
+
+    The RL loop asks for entropy always (it is logged every step and costs one reduction in the
+    fused op); benchmarks may switch it off to time the bare update.
+    """
+
+    def __init__(self, spec: LossSpec | None = None, needs_entropy: bool = True) -> None:
+        self.spec = spec or LossSpec()
+        self.needs_entropy = needs_entropy
+
+    def __call__(
+        self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: PackedBatch, norm: LossNorm
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return policy_loss(logprobs, entropy, batch, norm, self.spec)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch
@@ -205,6 +206,6 @@ def loss_cross_check(workload: Workload | str = "tiny", micro_batch_size: int = 
         )
     engine = ts.build_engine_for_bench(native, "local", torch.device("cpu"), torch.float32)
     mbs = ts.plan_and_select(batch, cfg, max_tokens_per_mb=max(batch.seq_lens()) * 2)
-    metrics = engine.forward_backward(mbs, ts.BenchLoss(), max_response_len=w.response_len[1])
+    metrics = engine.forward_backward(mbs, SpecLoss(needs_entropy=False), max_response_len=w.response_len[1])
     assert math.isfinite(naive)
     return {"naive": naive, "slipstream": metrics["actor/pg_loss"], "num_loss_tokens": float(num_loss_tokens)}

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.algo.losses import SpecLoss
 from slipstream.batching.planner import quadratic_scale_for
 from slipstream.batching.records import PackedBatch
 from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, synthetic_batch
@@ -40,17 +40,6 @@ from slipstream.perf.mfu import device_peak_flops
 
 _GIB = float(2**30)
 AC_MODES = ("none", "selective", "full")
-
-
-class BenchLoss:
-    """PPO-clip, token-mean actor loss (the LossFn the RL loop uses, without KL)."""
-
-    def __init__(self, spec: LossSpec | None = None, needs_entropy: bool = False) -> None:
-        self.spec = spec or LossSpec()
-        self.needs_entropy = needs_entropy
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
 
 
 # ---------------------------------------------------------------- environment and timing
@@ -259,7 +248,7 @@ def bench_train_step(
     # Pinned host memory lets the per-micro-batch copies overlap compute, as in training.
     if device.type == "cuda":
         mbs = [_pin(mb) for mb in mbs]
-    loss_fn = BenchLoss(needs_entropy=with_entropy)
+    loss_fn = SpecLoss(needs_entropy=with_entropy)
     max_response_len = w.response_len[1]
     last_metrics: dict[str, float] = {}
 
@@ -337,7 +326,7 @@ def memory_curve(
     max_n = max(tokens_per_mb_list)
     engine = build_engine_for_bench(model, backend, device, dtype, max_n, activation_checkpointing, compile)
     device = engine.device
-    loss_fn = BenchLoss()
+    loss_fn = SpecLoss(needs_entropy=False)
 
     def one_micro_batch(n: int) -> PackedBatch:
         full, rest = divmod(n, seq_len)

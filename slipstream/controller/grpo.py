@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from slipstream.algo.advantages import get_advantage_fn
-from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples, scatter_per_token, select
 from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
@@ -42,18 +42,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLoss(RuntimeError):
     pass
-
-
-class PolicyLoss:
-    """Binds the configured loss terms into the engine's LossFn shape."""
-
-    def __init__(self, spec: LossSpec) -> None:
-        self.spec = spec
-        # entropy is always logged; computing it only costs a reduction in the fused op
-        self.needs_entropy = True
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
 
 
 class RLTrainer:
@@ -111,7 +99,7 @@ class RLTrainer:
             log.warning("algo.std_normalize=false is ignored by algo.advantage=%s (it applies to grpo)",
                         cfg.algo.advantage)
         self.advantage_fn = get_advantage_fn(cfg.algo.advantage, **adv_options)
-        self.loss_fn = PolicyLoss(
+        self.loss_fn = SpecLoss(
             LossSpec(
                 clip_low=cfg.algo.clip_low,
                 clip_high=cfg.algo.clip_high,

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.config.schema import ActorSection
@@ -33,14 +33,7 @@ ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP)
 BF16 = torch.bfloat16
 
 
-class Loss:
-    needs_entropy = True
-
-    def __init__(self, spec: LossSpec) -> None:
-        self.spec = spec
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+Loss = SpecLoss  # the engines' LossFn over a LossSpec (needs_entropy=True)
 
 
 LOSSES = (Loss(LossSpec(entropy_coef=0.01)), Loss(LossSpec(agg_mode="seq-mean-token-mean", kl_coef=0.1)))

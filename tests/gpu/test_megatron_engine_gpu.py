@@ -17,7 +17,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("megatron.core")
 
-from slipstream.algo.losses import LossSpec, policy_loss  # noqa: E402
+from slipstream.algo.losses import LossSpec, SpecLoss  # noqa: E402
 from slipstream.batching.records import PackedBatch  # noqa: E402
 from slipstream.bench.workloads import batch_from_lengths  # noqa: E402
 from slipstream.config.schema import ActorSection  # noqa: E402
@@ -44,14 +44,7 @@ LOGPROB_TOL = {"fp32": (2e-3, 1e-4), "bf16": (0.15, 0.01)}
 GRAD_TOL = {"fp32": (1e-3, 1e-5, 0.01), "bf16": (0.03, 5e-3, 0.2)}
 
 
-class Loss:
-    needs_entropy = True
-
-    def __init__(self, spec: LossSpec) -> None:
-        self.spec = spec
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+Loss = SpecLoss  # the engines' LossFn over a LossSpec (needs_entropy=True)
 
 
 def model() -> Transformer:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples, select
 from slipstream.batching.records import Sample
 from slipstream.config.schema import ActorSection
@@ -12,14 +12,9 @@ from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 
 
-class Loss:
-    needs_entropy = True
-
-    def __init__(self, mode):
-        self.spec = LossSpec(kl_coef=0.1, entropy_coef=0.01, agg_mode=mode, clip_low=0.1, clip_high=0.1)
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+def Loss(mode: str) -> SpecLoss:  # noqa: N802 -- reads like the class it builds
+    """PPO clip + KL + entropy terms, aggregated by `mode`."""
+    return SpecLoss(LossSpec(kl_coef=0.1, entropy_coef=0.01, agg_mode=mode, clip_low=0.1, clip_high=0.1))
 
 
 def _batch(vocab):

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slipstream.algo.losses import LossSpec, policy_loss
+from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.config.schema import ActorSection
@@ -36,16 +36,7 @@ ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP)
 METRICS = ("actor/pg_loss", "actor/entropy", "actor/clip_frac", "actor/num_loss_tokens", "actor/grad_norm")
 
 
-class Loss:
-    """PolicyLoss-shaped LossFn over a LossSpec."""
-
-    needs_entropy = True
-
-    def __init__(self, spec: LossSpec) -> None:
-        self.spec = spec
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+Loss = SpecLoss  # the engines' LossFn over a LossSpec (needs_entropy=True)
 
 
 # token-mean exercises num_loss_tokens, seq-mean-token-mean num_seqs; KL and clipping on the second.

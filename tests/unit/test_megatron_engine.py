@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_cpu import reset_megatron, set_rank_env  # noqa: E402
 
-from slipstream.algo.losses import AGG_MODES, LossSpec, policy_loss  # noqa: E402
+from slipstream.algo.losses import AGG_MODES, LossSpec, SpecLoss  # noqa: E402
 from slipstream.batching.packing import pack_samples  # noqa: E402
 from slipstream.batching.records import PackedBatch, Sample  # noqa: E402
 from slipstream.config.schema import ActorSection, Config, MegatronLayout, parse_backend  # noqa: E402
@@ -37,16 +37,7 @@ ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=1024)
 METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/num_loss_tokens", "actor/grad_norm", "actor/lr")
 
 
-class Loss:
-    """PolicyLoss-shaped LossFn over a LossSpec."""
-
-    needs_entropy = True
-
-    def __init__(self, spec: LossSpec) -> None:
-        self.spec = spec
-
-    def __call__(self, logprobs, entropy, batch, norm):
-        return policy_loss(logprobs, entropy, batch, norm, self.spec)
+Loss = SpecLoss  # the engines' LossFn over a LossSpec (needs_entropy=True)
 
 
 def make_batch(num_seqs: int, seed: int) -> PackedBatch:

@@ -31,6 +31,7 @@ import tempfile
 
 import torch
 
+from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
 from slipstream.bench.matrix import CellSettings, TrlSettings
@@ -310,7 +311,7 @@ def trl_loss_cross_check(
             trl_loss = sum(float(trainer.compute_loss(trainer.model, m)) for m in micro)
     engine = ts.build_engine_for_bench(native, "local", torch.device("cpu"), torch.float32)
     mbs = ts.plan_and_select(batch, cfg, max_tokens_per_mb=max(batch.seq_lens()) * 2)
-    loss_fn = ts.BenchLoss(LossSpec(agg_mode=SLIPSTREAM_AGG[loss_type]))
+    loss_fn = SpecLoss(LossSpec(agg_mode=SLIPSTREAM_AGG[loss_type]), needs_entropy=False)
     # Dr.GRPO's constant is TRL's max_completion_length, the workload's longest response budget.
     metrics = engine.forward_backward(mbs, loss_fn, max_response_len=w.response_len[1])
     return {"trl": trl_loss, "slipstream": float(metrics["actor/pg_loss"]), "num_micro_batches": float(len(micro))}
