@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,17 @@ def _backend(device_type: str) -> str:
     if device_type == "cpu":
         return "gloo"
     raise ValueError(f"unsupported device type {device_type!r} for the fsdp backend; expected 'cuda' or 'cpu'")
+
+
+def warn_if_other_device(requested: torch.device | str, used: torch.device) -> None:
+    """Warn when a specific GPU was asked for but the rank trains on another (LOCAL_RANK decides)."""
+    requested = torch.device(requested)
+    if requested.index is not None and requested != used:
+        warnings.warn(
+            f"device {requested} was requested but this rank uses {used} (its LOCAL_RANK); "
+            "select GPUs with CUDA_VISIBLE_DEVICES instead",
+            stacklevel=3,
+        )
 
 
 def init_distributed(device_type: str) -> tuple[int, int, torch.device]:

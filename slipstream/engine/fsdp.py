@@ -40,7 +40,13 @@ from torch.distributed.tensor import DTensor
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection
 from slipstream.engine.base import LogProbOutput
-from slipstream.engine.distributed import all_reduce_, check_same_on_all_ranks, dp_mesh, init_distributed
+from slipstream.engine.distributed import (
+    all_reduce_,
+    check_same_on_all_ranks,
+    dp_mesh,
+    init_distributed,
+    warn_if_other_device,
+)
 from slipstream.engine.local import LocalEngine, count_loss_tokens, make_norm
 from slipstream.models import hf
 from slipstream.models.parallelize import CheckpointMode, mixed_precision_policy, parallelize
@@ -72,7 +78,9 @@ class FSDPEngine(LocalEngine):
         compile: bool | None = None,
         offload: bool | None = None,
     ) -> None:
+        requested = device
         self.rank, self.world_size, device = init_distributed(torch.device(device).type)
+        warn_if_other_device(requested, device)
         if activation_checkpointing is None:
             activation_checkpointing = actor.activation_checkpointing if actor is not None else "none"
         if actor is None and activation_checkpointing != "none":

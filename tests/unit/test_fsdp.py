@@ -8,6 +8,7 @@ passes when every rank divides by the global token / sequence counts and gradien
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -285,3 +286,15 @@ def test_two_ranks_match_one_process(pg, local_ref, tmp_path):
     want = local.forward_backward(mbs, LOSSES[0], max_response_len=16) | local.optim_step()
     assert_metrics_close([got], [want], atol=1e-5)
     assert_weights_close(dict(engine.export_weights()), dict(local.export_weights()), atol=1e-5)
+
+
+def test_warns_when_a_specific_gpu_is_not_the_one_used():
+    from slipstream.engine.distributed import warn_if_other_device
+
+    with pytest.warns(UserWarning, match="cuda:1 was requested but this rank uses cuda:0"):
+        warn_if_other_device("cuda:1", torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_other_device("cuda", torch.device("cuda", 0))  # no index asked: nothing to say
+        warn_if_other_device(torch.device("cuda", 0), torch.device("cuda", 0))
+        warn_if_other_device("cpu", torch.device("cpu"))

@@ -61,7 +61,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection, MegatronLayout
 from slipstream.engine.base import LogProbOutput, LossFn
-from slipstream.engine.distributed import check_same_on_all_ranks, init_distributed
+from slipstream.engine.distributed import check_same_on_all_ranks, init_distributed, warn_if_other_device
 from slipstream.engine.local import _oom_advice, count_loss_tokens, make_norm
 from slipstream.engine.megatron import provider
 from slipstream.engine.megatron.convert import megatron_to_hf, merge_tp
@@ -162,6 +162,7 @@ class MegatronEngine:
                 "not wired into the engine yet; use d<D>t<T> only"
             )
         self.rank, world, self.device = init_distributed(torch.device(device).type)
+        warn_if_other_device(device, self.device)
         layout.data_parallel_size(world)  # raises when the sizes do not fit the world
         with self._compat():
             self._setup(model, layout, compute_dtype, temperature, actor)
