@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.perf.flops import forward_flops, train_flops
 from slipstream.perf.mfu import device_peak_flops
+from slipstream.perf.timers import repeat_timed, time_once
 
 _GIB = float(2**30)
 AC_MODES = ("none", "selective", "full")
@@ -89,38 +90,6 @@ def peak_for(device: torch.device, override: float | None = None) -> float | Non
     """Dense bf16 peak FLOP/s of the device (None on the CPU unless overridden)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return device_peak_flops(name, override)
-
-
-def time_once(fn: Callable[[], object], device: torch.device) -> tuple[float, int | None]:
-    """(seconds, peak allocated bytes or None) of one call; the peak is reset at the start."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start, None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000.0, torch.cuda.max_memory_allocated(device)
-
-
-def repeat_timed(
-    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int
-) -> tuple[list[float], int | None]:
-    """Times of `repeats` calls after `warmup` discarded ones, and the highest phase peak seen."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
-    for _ in range(warmup):
-        time_once(fn, device)
-    times, peaks = [], []
-    for _ in range(repeats):
-        seconds, peak = time_once(fn, device)
-        times.append(seconds)
-        peaks.append(peak)
-    return times, (max(peaks) if peaks[0] is not None else None)
 
 
 def phase_stats(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -209,3 +209,39 @@ def perf_metrics(
         out["perf/rollout_tokens_per_gpu_per_s"] = sum(response_lens) / rollout_time / gpus
         out["perf/longest_sample_tokens_per_s"] = max(response_lens) / rollout_time
     return out
+
+
+# ---------------------------------------------------------------- benchmark timing
+# (torch only: the verl bench cell's subprocess uses these without slipstream's engine stack)
+
+
+def time_once(fn: Callable[[], object], device: torch.device) -> tuple[float, int | None]:
+    """(seconds, peak allocated bytes or None) of one call; the peak is reset at the start."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0, torch.cuda.max_memory_allocated(device)
+
+
+def repeat_timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int
+) -> tuple[list[float], int | None]:
+    """Times of `repeats` calls after `warmup` discarded ones, and the highest phase peak seen."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    for _ in range(warmup):
+        time_once(fn, device)
+    times, peaks = [], []
+    for _ in range(repeats):
+        seconds, peak = time_once(fn, device)
+        times.append(seconds)
+        peaks.append(peak)
+    return times, (max(peaks) if peaks[0] is not None else None)

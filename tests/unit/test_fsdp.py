@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine_checks import assert_weights_close
 from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
@@ -92,12 +93,6 @@ def assert_metrics_close(got: list[dict], want: list[dict], atol: float) -> None
     for g, w in zip(got, want, strict=True):
         for key in METRICS:
             assert g[key] == pytest.approx(w[key], abs=atol, rel=atol), key
-
-
-def assert_weights_close(got: dict, want: dict, atol: float) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module", autouse=True)

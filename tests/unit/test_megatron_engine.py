@@ -21,6 +21,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_cpu import reset_megatron, set_rank_env  # noqa: E402
 
+from engine_checks import assert_weights_close  # noqa: E402
 from slipstream.algo.losses import AGG_MODES, LossSpec, SpecLoss  # noqa: E402
 from slipstream.batching.packing import pack_samples  # noqa: E402
 from slipstream.batching.records import PackedBatch, Sample  # noqa: E402
@@ -87,12 +88,6 @@ def megatron_engine(
     from slipstream.engine.megatron.engine import MegatronEngine
 
     return MegatronEngine(make_model(preset, seed, sharp), CPU, torch.float32, 1.0, actor, **kwargs)
-
-
-def assert_weights_close(got: dict, want: dict, atol: float) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -32,8 +32,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -43,6 +41,7 @@ from slipstream.bench.workloads import Workload, synthetic_batch
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf import config_to_hf
 from slipstream.models.presets import get_preset
+from slipstream.perf.timers import repeat_timed
 
 HIDDEN_MODULES = ("trl",)
 """Hidden from verl in the subprocess: verl 0.9.1 pins trl==0.27 and, if trl is importable, patches
@@ -241,35 +240,6 @@ def micro_batch_layout(data, verl: dict, token_budget: int) -> dict:
     }
 
 
-def time_phase(
-    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int
-) -> tuple[list[float], int | None]:
-    """Seconds of `repeats` calls after `warmup` discarded ones (CUDA events), and the highest peak.
-
-    The same protocol as slipstream.bench.train_step.repeat_timed, written out here so the verl
-    process does not import slipstream's engine stack.
-    """
-    times, peaks = [], []
-    for i in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            seconds, peak = start.elapsed_time(end) / 1000.0, torch.cuda.max_memory_allocated(device)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            seconds, peak = time.perf_counter() - t0, None
-        if i >= warmup:
-            times.append(seconds)
-            peaks.append(peak)
-    return times, (max(peaks) if peaks[0] is not None else None)
-
-
 def _versions() -> dict[str, str]:
     import tensordict
     import transformers
@@ -311,10 +281,10 @@ def run(request: dict) -> dict:
         out["log_probs"] = log_probs.tolist()
         out["response_mask"] = data.batch["response_mask"].tolist()
     metrics: list[dict] = []
-    train_times, train_peak = time_phase(
+    train_times, train_peak = repeat_timed(
         lambda: metrics.append(update_actor(worker, data, w.num_seqs)), device, settings["repeats"], settings["warmup"]
     )
-    fwd_times, fwd_peak = time_phase(
+    fwd_times, fwd_peak = repeat_timed(
         lambda: compute_log_prob(worker, data), device, settings["repeats"], settings["warmup"]
     )
     width = data.batch["input_ids"].shape[1]
