@@ -10,6 +10,7 @@ grad_norm and the updated weights at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from pathlib import Path
 
@@ -121,6 +122,26 @@ def test_logprobs_match_local_on_packed_batches(preset):
     mb = mbs[0]
     stretched = local.forward_logprobs([mb.with_(position_ids=2 * mb.position_ids)])[0].logprobs
     assert (stretched - want[0].logprobs).abs().max() > 1e-3
+
+
+def test_bf16_model_holds_every_parameter_in_bf16():
+    """Megatron's Float16Module convention: no fp32 norm weight left beside bf16 activations.
+
+    The local spec builds its RMSNorms (layer, q/k, final) in fp32; kept so, torch.rms_norm takes
+    its unfused upcast path on the GPU and DDP keeps a second (fp32) gradient bucket.
+    """
+    from slipstream.engine.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_model("tiny", 0), CPU, torch.bfloat16, 1.0, ACTOR)
+    odd = {n: p.dtype for n, p in engine.gpt.named_parameters() if p.dtype != torch.bfloat16}
+    assert not odd, odd
+    mbs = split(make_batch(6, 2), 2)
+    loss = Loss(LossSpec(kl_coef=0.1))
+    metrics = engine.forward_backward(mbs, loss, max_response_len=16) | engine.optim_step()
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    # fp32 master weights still come from the caller's fp32 weights (not their bf16 rounding)
+    master = [p for g in engine.optimizer.optimizer.param_groups for p in g["params"]]
+    assert master and all(p.dtype == torch.float32 for p in master)
 
 
 # ---------------------------------------------------------------- training step

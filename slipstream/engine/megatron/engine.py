@@ -214,9 +214,12 @@ class MegatronEngine:
             calculate_per_token_loss=True,  # see the module docstring: no division by #micro-batches
             **recompute_settings(self.actor.activation_checkpointing if self.actor else "none"),
         )
-        # Megatron's own layers allocate on the current CUDA device, but plain torch modules of the
-        # local spec (e.g. the q/k norms) are built on the default device: move the whole model.
-        gpt.to(self.device)
+        # Megatron's own layers allocate on the current CUDA device in params_dtype, but plain torch
+        # modules of the local spec (its RMSNorms: layer, q/k and final norms) are built fp32 on the
+        # default device. Move and cast the whole model, as Megatron's Float16Module does: an fp32
+        # norm weight under bf16 input sends torch.rms_norm to its unfused upcast path (extra casts
+        # and elementwise kernels in every layer; docs/benchmarks.md, the Megatron gap breakdown).
+        gpt.to(device=self.device, dtype=self.compute_dtype)
         _mark_tensor_parallel(gpt)
         hf_sd = hf.to_hf_state_dict(model.state_dict())
         # TP shards of row-parallel weights are non-contiguous views; the optimizer flattens them
