@@ -5,7 +5,7 @@ micro-batch token budget, repeats, ...) is held constant and copied into every r
 so a row read on its own says exactly what was measured. Each cell produces one JSON row:
 
   slipstream x fsdp      bench_train_step(..., backend="fsdp") (the `bench train-step` numbers)
-  slipstream x megatron  bench_train_step(..., backend="megatron") (megatron-core engine; compile per TransformerLayer)
+  slipstream x megatron  bench_train_step(..., backend="megatron") (megatron-core engine; compile not applied)
   trl x fsdp             TRL's own GRPOTrainer loss path (peers/trl_adapter.py)
   trl x megatron         status "not-applicable": TRL has no Megatron engine
   verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir (peers/verl_adapter.py);
@@ -421,9 +421,11 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
     from slipstream.ops.attention import select_backend
 
     dtype = getattr(torch, s.dtype)
+    # The megatron engine does not torch.compile its blocks: the row says so instead of implying it.
+    compile = s.compile and backend == "fsdp"
     r = bench_train_step(
         w, backend=backend, max_tokens_per_mb=s.max_tokens_per_mb, dtype=dtype, activation_checkpointing=s.recompute,
-        compile=s.compile, repeats=s.repeats, warmup=s.warmup, device=s.device, planner=s.planner,
+        compile=compile, repeats=s.repeats, warmup=s.warmup, device=s.device, planner=s.planner,
         peak_flops=s.peak_flops,
     )  # fmt: skip
     device = torch.device(r["config"]["device"])

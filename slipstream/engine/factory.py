@@ -53,9 +53,10 @@ def build_engine(
                 "(megatron-core 0.16.1's DistributedOptimizer.offload_to_cpu fails on CUDA); set them to false "
                 "or use actor.backend=fsdp"
             )
+        if actor.compile:
+            warnings.warn("actor.compile: the megatron engine does not torch.compile its blocks", stacklevel=2)
         return MegatronEngine(
-            model, device, compute_dtype, temperature, None if forward_only else actor, layout=layout,
-            compile=actor.compile,
+            model, device, compute_dtype, temperature, None if forward_only else actor, layout=layout
         )
     if backend == "fsdp":
         from slipstream.engine.fsdp import FSDPEngine  # torch.distributed only when asked for

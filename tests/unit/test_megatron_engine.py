@@ -124,30 +124,6 @@ def test_logprobs_match_local_on_packed_batches(preset):
     assert (stretched - want[0].logprobs).abs().max() > 1e-3
 
 
-def test_compiled_layers_give_the_same_step():
-    """actor.compile traces every TransformerLayer (the recompute too) and leaves the step unchanged.
-
-    aot_eager runs dynamo + AOTAutograd (what inductor gets) without its C++ build; the GPU
-    benchmarks use inductor.
-    """
-    import torch._dynamo
-
-    loss = Loss(LossSpec(kl_coef=0.1, entropy_coef=0.01))
-    mbs = split(make_batch(6, 3), 2)
-    actor = dataclasses.replace(ACTOR, activation_checkpointing="full")  # the recompute runs compiled too
-    plain = megatron_engine(actor=actor)
-    torch._dynamo.reset()
-    compiled = megatron_engine(actor=actor, compile=True, compile_backend="aot_eager")
-    want = plain.forward_backward(mbs, loss, max_response_len=16) | plain.optim_step()
-    got = compiled.forward_backward(mbs, loss, max_response_len=16) | compiled.optim_step()
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames >= 1, "no layer was compiled"
-    for key in METRICS:
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-    assert_weights_close(dict(compiled.export_weights()), dict(plain.export_weights()), atol=1e-6)
-    torch._dynamo.reset()
-
-
 def test_bf16_model_holds_every_parameter_in_bf16():
     """Megatron's Float16Module convention: no fp32 norm weight left beside bf16 activations.
 

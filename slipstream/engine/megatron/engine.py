@@ -154,8 +154,6 @@ class MegatronEngine:
         actor: ActorSection | None = None,
         *,
         layout: MegatronLayout | None = None,
-        compile: bool = False,
-        compile_backend: str = "inductor",
     ) -> None:
         layout = layout or MegatronLayout()
         if layout.pp > 1 or layout.cp > 1:
@@ -168,8 +166,6 @@ class MegatronEngine:
         layout.data_parallel_size(world)  # raises when the sizes do not fit the world
         with self._compat():
             self._setup(model, layout, compute_dtype, temperature, actor)
-            if compile:
-                self._compile_layers(compile_backend)
 
     def _compat(self):
         """On the CPU, megatron-core's hard-coded CUDA calls are redirected (see cpu_compat.py)."""
@@ -233,18 +229,6 @@ class MegatronEngine:
         }
         provider.load_megatron_state_dict(gpt, {k: v.to(self.compute_dtype) for k, v in master.items()})
         return gpt, master
-
-    def _compile_layers(self, backend: str) -> None:
-        """torch.compile each TransformerLayer in place, as the FSDP path compiles each block.
-
-        `Module.compile` keeps parameter names (checkpoints, DDP buffers and the optimizer are
-        unaffected); Megatron's full recompute calls `layer(...)`, so the recompute runs compiled
-        too. What it fuses is the unfused elementwise work of the local spec (norms, RoPE, SwiGLU,
-        residual adds): docs/benchmarks.md, the Megatron gap breakdown. `backend` is torch.compile's
-        (tests use "aot_eager" to check the wiring without the inductor build time).
-        """
-        for layer in self.gpt.decoder.layers:
-            layer.compile(fullgraph=False, backend=backend)
 
     @staticmethod
     def _seed_rng_tracker() -> None:
