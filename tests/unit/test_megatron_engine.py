@@ -132,16 +132,31 @@ def test_bf16_model_holds_every_parameter_in_bf16():
     """
     from slipstream.engine.megatron.engine import MegatronEngine
 
-    engine = MegatronEngine(make_model("tiny", 0), CPU, torch.bfloat16, 1.0, ACTOR)
+    engine = MegatronEngine(make_model("tiny", 0, sharp=True), CPU, torch.bfloat16, 1.0, ACTOR)
     odd = {n: p.dtype for n, p in engine.gpt.named_parameters() if p.dtype != torch.bfloat16}
     assert not odd, odd
+    # Every parameter is in the optimizer's float16 groups, and each fp32 master shard equals the
+    # caller's fp32 weights (converted to Megatron layout), not the bf16 model parameter's rounding.
+    from slipstream.engine.megatron import provider
+    from slipstream.models import hf
+
+    opt = engine.optimizer.chained_optimizers[0] if hasattr(engine.optimizer, "chained_optimizers") else engine.optimizer
+    assert sum(len(g) for g in opt.model_fp32_groups) == 0
+    hf_weights = hf.to_hf_state_dict(make_model("tiny", 0, sharp=True).state_dict())
+    source = provider.megatron_shard(engine.gpt, hf_weights, engine.cfg)
+    names = {p: n for n, p in engine.gpt.named_parameters()}
+    rounded_somewhere = False
+    for model_group, shard_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True):
+        for param, shard in zip(model_group, shard_group, strict=True):
+            r = opt._get_model_param_range_map(param)["param"]
+            want = source[names[param].removeprefix("module.")].float().reshape(-1)[r.start : r.end]
+            torch.testing.assert_close(shard, want, atol=0, rtol=0)
+            rounded_somewhere |= bool((shard != param.detach().float().reshape(-1)[r.start : r.end]).any())
+    assert rounded_somewhere  # the bf16 params really are a rounding of the fp32 masters
     mbs = split(make_batch(6, 2), 2)
     loss = Loss(LossSpec(kl_coef=0.1))
     metrics = engine.forward_backward(mbs, loss, max_response_len=16) | engine.optim_step()
     assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
-    # fp32 master weights still come from the caller's fp32 weights (not their bf16 rounding)
-    master = [p for g in engine.optimizer.optimizer.param_groups for p in g["params"]]
-    assert master and all(p.dtype == torch.float32 for p in master)
 
 
 # ---------------------------------------------------------------- training step
