@@ -140,7 +140,8 @@ def test_bf16_model_holds_every_parameter_in_bf16():
     from slipstream.engine.megatron import provider
     from slipstream.models import hf
 
-    opt = engine.optimizer.chained_optimizers[0] if hasattr(engine.optimizer, "chained_optimizers") else engine.optimizer
+    opt = engine.optimizer
+    opt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt  # one dtype: one optimizer
     assert sum(len(g) for g in opt.model_fp32_groups) == 0
     hf_weights = hf.to_hf_state_dict(make_model("tiny", 0, sharp=True).state_dict())
     source = provider.megatron_shard(engine.gpt, hf_weights, engine.cfg)
