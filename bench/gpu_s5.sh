@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Next device call (written in session 4, not run yet): what issues 3, 4 and 5 still need, in order:
-# the FSDP offload-vs-fp32 and GQA-path GPU tests (issue 3), the Megatron W1 update after the norm-dtype
-# fix (52a9f1b) with its kernel profile (issue 4), the verl W1-0.6b cell (issue 5; --resume keeps the
-# measured rows), qwen3-8b at an 8k budget (issue 3), varlen vs flex (issue 3).
+# Next device call (written in session 4, not run yet), ordered by what the open issues still need:
+# the FSDP offload-vs-fp32 and GQA-path GPU tests (issue 3), the verl W1-0.6b cell (issue 5; --resume keeps
+# the measured rows), qwen3-8b at an 8k budget (issue 3), varlen vs flex (issue 3), then for the record of
+# issue 4: the Megatron W1 update after the norm-dtype fix (52a9f1b) and the FSDP full-recompute profile
+# that makes the gap breakdown like-for-like.
 # Carry .whl (incl. .whl/verl). DEADLINE = seconds for the whole script (default 560).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -12,21 +13,24 @@ RES=/tmp/res; rm -rf $RES; mkdir -p $RES/w06 $RES/suite
 quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|return torch|Params for bucket|^\s*$"; }
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
 left() { local t=$(( ${DEADLINE:-560} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }
+cap() { local l; l=$(left ${2:-0}); [ $l -lt $1 ] && echo $l || echo $1; }  # min(cap, time left - reserve)
 trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
 stamp tests
 timeout 80 python -m pytest -q -s -p no:cacheprovider "tests/gpu/test_fsdp_gpu.py::test_offload_matches_no_offload" \
     "tests/gpu/test_attention_gpu.py::test_gqa_native_and_repeated_paths_match_reference" 2>&1 | quiet > $RES/gpu_tests.txt
 grep -E "^\| |passed|failed|FAILED|natively" $RES/gpu_tests.txt | head -8
-stamp megatron W1 after the norm-dtype fix
-timeout 130 python bench/profile_step.py --backend megatron --activation-checkpointing full --max-tokens-per-mb 32768 \
-    --out $RES/profile_megatron.json > $RES/profile_megatron.log 2>&1; quiet < $RES/profile_megatron.log | head -14
 stamp verl W1-0.6b
 cp docs/results/matrix-w1-06b/results.jsonl $RES/w06/
-timeout $(( $(left 120) < 240 ? $(left 120) : 240 )) python -m slipstream.cli bench matrix bench/matrix_w1_06b.yaml \
-    --out $RES/w06 --resume > $RES/w06.log 2>&1
+timeout $(cap 240 200) python -m slipstream.cli bench matrix bench/matrix_w1_06b.yaml --out $RES/w06 --resume > $RES/w06.log 2>&1
 grep -E "^\| W1-0.6b \(" $RES/w06.log | cut -c1-160
 stamp qwen3-8b
-OUT=$RES/suite timeout $(left 40) python bench/train_step_suite.py --only w1-8b-fsdp-8k --budget-s $(left 45) 2>&1 | quiet | tail -4
+OUT=$RES/suite timeout $(cap 150 110) python bench/train_step_suite.py --only w1-8b-fsdp-8k --budget-s $(cap 145 115) 2>&1 | quiet | tail -4
 stamp varlen vs flex
-timeout $(left 2) python bench/bench_attention.py 2>&1 | quiet | tail -6 | tee $RES/attention.txt
+timeout $(cap 60 100) python bench/bench_attention.py 2>&1 | quiet | tail -6 | tee $RES/attention.txt
+stamp megatron W1 after the norm-dtype fix
+timeout $(cap 130 45) python bench/profile_step.py --backend megatron --activation-checkpointing full --max-tokens-per-mb 32768 \
+    --out $RES/profile_megatron.json > $RES/profile_megatron.log 2>&1; quiet < $RES/profile_megatron.log | head -14
+stamp fsdp W1 full recompute profile
+timeout $(left 2) python bench/profile_step.py --backend fsdp --activation-checkpointing full --max-tokens-per-mb 32768 \
+    --compile --out $RES/profile_fsdp_full.json > $RES/profile_fsdp.log 2>&1; quiet < $RES/profile_fsdp.log | head -14
 stamp done
