@@ -2,7 +2,7 @@
 # Next device call (written in session 4, not run yet), ordered by what the open issues still need:
 # the FSDP offload-vs-fp32 and GQA-path GPU tests (issue 3), the verl W1-0.6b cell (issue 5; --resume keeps
 # the measured rows), qwen3-8b at an 8k budget (issue 3), varlen vs flex (issue 3), then for the record of
-# issue 4: the Megatron W1 update after the norm-dtype fix (52a9f1b) and the FSDP full-recompute profile
+# issue 4: the Megatron W1 update after the norm-dtype fix (52a9f1b) and the SwiGLU / residual-add fusions, the FSDP full-recompute profile
 # that makes the gap breakdown like-for-like.
 # Carry .whl (incl. .whl/verl). DEADLINE = seconds for the whole script (default 560).
 set -u

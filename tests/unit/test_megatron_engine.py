@@ -124,6 +124,23 @@ def test_logprobs_match_local_on_packed_batches(preset):
     assert (stretched - want[0].logprobs).abs().max() > 1e-3
 
 
+def test_megatron_elementwise_fusions_give_local_steps():
+    """Megatron's fused SwiGLU / residual add (torch.compile'd, on by default on the GPU) against
+    LocalEngine for 3 steps with changing packed shapes and full recompute."""
+    loss = Loss(LossSpec(kl_coef=0.1, entropy_coef=0.01))
+    local = LocalEngine(make_model(), CPU, torch.float32, 1.0, ACTOR)
+    engine = megatron_engine(actor=dataclasses.replace(ACTOR, activation_checkpointing="full"), fuse_elementwise=True)
+    assert engine.gpt.config.bias_activation_fusion and engine.gpt.config.bias_dropout_fusion
+    assert not megatron_engine(actor=None).gpt.config.bias_activation_fusion  # CPU default: off
+    for step in range(3):
+        mbs = split(make_batch(6 + step, step), 1 + step % 2)
+        want = local.forward_backward(mbs, loss, max_response_len=16) | local.optim_step()
+        got = engine.forward_backward(mbs, loss, max_response_len=16) | engine.optim_step()
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (step, key)
+    assert_weights_close(dict(engine.export_weights()), dict(local.export_weights()), atol=1e-6)
+
+
 def test_bf16_model_holds_every_parameter_in_bf16():
     """Megatron's Float16Module convention: no fp32 norm weight left beside bf16 activations.
 

@@ -138,6 +138,17 @@ def recompute_settings(mode: str) -> dict:
     raise ValueError(f"activation_checkpointing must be none, selective or full, got {mode!r}")
 
 
+def fusion_settings(on: bool) -> dict:
+    """Megatron's own elementwise fusions: SwiGLU and the residual (bias-dropout-)add.
+
+    Both run through megatron.core.jit's `jit_fuser` (torch.compile'd functions behind a custom
+    autograd.Function for SwiGLU), as Megatron-LM trains by default. Without them the local spec
+    runs silu, mul and the adds as separate kernels with their own fp32/bf16 round trips
+    (docs/benchmarks.md, the Megatron gap breakdown). RoPE fusion needs Transformer Engine.
+    """
+    return {"bias_activation_fusion": on, "bias_dropout_fusion": on}
+
+
 class MegatronEngine:
     """TrainEngine over megatron-core. `actor=None` builds a frozen, forward-only engine (reference model).
 
@@ -154,8 +165,10 @@ class MegatronEngine:
         actor: ActorSection | None = None,
         *,
         layout: MegatronLayout | None = None,
+        fuse_elementwise: bool | None = None,
     ) -> None:
         layout = layout or MegatronLayout()
+        self.fuse_elementwise = fuse_elementwise
         if layout.pp > 1 or layout.cp > 1:
             raise ValueError(
                 f"actor.backend megatron: pipeline (p{layout.pp}) and context (c{layout.cp}) parallelism are "
@@ -213,6 +226,8 @@ class MegatronEngine:
             perform_initialization=False,  # every weight is overwritten from `model` below
             calculate_per_token_loss=True,  # see the module docstring: no division by #micro-batches
             **recompute_settings(self.actor.activation_checkpointing if self.actor else "none"),
+            # On the GPU by default; on the CPU only when asked (inductor's C++ build is slow there).
+            **fusion_settings(self.device.type == "cuda" if self.fuse_elementwise is None else self.fuse_elementwise),
         )
         # Megatron's own layers allocate on the current CUDA device in params_dtype, but plain torch
         # modules of the local spec (its RMSNorms: layer, q/k and final norms) are built fp32 on the
