@@ -3,7 +3,7 @@
 # the FSDP offload-vs-fp32 and GQA-path GPU tests (issue 3), the verl W1-0.6b cell (issue 5; --resume keeps
 # the measured rows), qwen3-8b at an 8k budget (issue 3), varlen vs flex (issue 3), then for the record of
 # issue 4: the Megatron W1 update after the norm-dtype fix (52a9f1b) and the SwiGLU / residual-add fusions, the FSDP full-recompute profile
-# that makes the gap breakdown like-for-like.
+# that makes the gap breakdown like-for-like, and the Megatron GPU parity tests again (numerics changed on CUDA).
 # Carry .whl (incl. .whl/verl). DEADLINE = seconds for the whole script (default 560).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -31,6 +31,9 @@ stamp megatron W1 after the norm-dtype fix
 timeout $(cap 130 45) python bench/profile_step.py --backend megatron --activation-checkpointing full --max-tokens-per-mb 32768 \
     --out $RES/profile_megatron.json > $RES/profile_megatron.log 2>&1; quiet < $RES/profile_megatron.log | head -14
 stamp fsdp W1 full recompute profile
-timeout $(left 2) python bench/profile_step.py --backend fsdp --activation-checkpointing full --max-tokens-per-mb 32768 \
+timeout $(cap 80 60) python bench/profile_step.py --backend fsdp --activation-checkpointing full --max-tokens-per-mb 32768 \
     --compile --out $RES/profile_fsdp_full.json > $RES/profile_fsdp.log 2>&1; quiet < $RES/profile_fsdp.log | head -14
+stamp megatron GPU parity tests after 52a9f1b and the fusions
+timeout $(left 2) python -m pytest -q -s -p no:cacheprovider tests/gpu/test_megatron_engine_gpu.py 2>&1 | quiet > $RES/gpu_tests_megatron.txt
+grep -E "^\| |passed|failed|FAILED" $RES/gpu_tests_megatron.txt | head -6
 stamp done
