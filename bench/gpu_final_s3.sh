@@ -4,15 +4,9 @@
 # the GRPO demo with actor.backend=megatron on CUDA, the rl-step matrix on the GPU, then the fixed GPU
 # tests (Megatron vs FSDP, FSDP offload vs fp32, GQA paths) and varlen vs flex for what time is left.
 # Needs .whl (incl. .whl/verl) carried. DEADLINE = seconds for the whole script (default 540).
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site .whl/verl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/verl-site
-RES=/tmp/res5; rm -rf $RES; mkdir -p $RES/matrix
-quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|Params for bucket|^\s*$"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
-left() { local t=$(( ${DEADLINE:-540} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }  # never 0 (= no limit)
-trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
+. bench/gpu_lib.sh
+: "${DEADLINE:=540}"
+gpu_setup /tmp/res5 matrix
 stamp train-step matrix
 [ -f docs/results/matrix-w1/results.jsonl ] && cp docs/results/matrix-w1/results.jsonl $RES/matrix/
 timeout ${MATRIX_S:-290} python -m slipstream.cli bench matrix ${MATRIX_SPEC:-bench/matrix_w1.yaml} --out $RES/matrix --resume 2>&1 \

@@ -3,15 +3,9 @@
 # slipstream rows already measured), the W1-0.6b matrix (every framework x backend), the kernel-time
 # profiles of the Megatron and FSDP updates at the W1-core settings (full recompute, 32k, no compile), then
 # the fixed GPU tests. Needs .whl (incl. .whl/verl) carried. DEADLINE = seconds for the whole script.
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site .whl/verl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/verl-site
-RES=/tmp/res; rm -rf $RES; mkdir -p $RES/w1core $RES/w06
-quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|Params for bucket|^\s*$"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
-left() { local t=$(( ${DEADLINE:-575} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }
-trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
+. bench/gpu_lib.sh
+: "${DEADLINE:=575}"
+gpu_setup /tmp/res w1core w06
 stamp verl W1
 cp docs/results/matrix-w1-core/results.jsonl $RES/w1core/
 timeout 230 python -m slipstream.cli bench matrix bench/matrix_w1_core.yaml --out $RES/w1core --resume > $RES/w1core.log 2>&1

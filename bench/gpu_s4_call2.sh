@@ -2,15 +2,9 @@
 # Session 4, device call 2: what call 1 ran out of time for: the fixed GPU tests (Megatron vs FSDP, FSDP
 # offload vs fp32, both GQA paths), the Megatron update's kernel-time profile (issue 4's gap breakdown),
 # the verl W1-0.6b cell (--resume keeps call 1's rows), then the GPU rl-step matrix. DEADLINE = seconds.
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site .whl/verl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/verl-site
-RES=/tmp/res; rm -rf $RES; mkdir -p $RES/w06 $RES/rl
-quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|return torch|Params for bucket|^\s*$"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
-left() { local t=$(( ${DEADLINE:-520} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }
-trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
+. bench/gpu_lib.sh
+: "${DEADLINE:=520}"
+gpu_setup /tmp/res w06 rl
 stamp tests
 timeout 170 python -m pytest -q -s -p no:cacheprovider --durations=0 tests/gpu/test_megatron_engine_gpu.py \
     "tests/gpu/test_fsdp_gpu.py::test_offload_matches_no_offload" \

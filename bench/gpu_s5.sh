@@ -5,16 +5,9 @@
 # issue 4: the Megatron W1 update after the norm-dtype fix (52a9f1b) and the SwiGLU / residual-add fusions, the FSDP full-recompute profile
 # that makes the gap breakdown like-for-like, and the Megatron GPU parity tests again (numerics changed on CUDA).
 # Carry .whl (incl. .whl/verl). DEADLINE = seconds for the whole script (default 560).
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site .whl/verl/*.whl
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/verl-site
-RES=/tmp/res; rm -rf $RES; mkdir -p $RES/w06 $RES/suite
-quiet() { grep -v -i -E "warn|^[0-9:]+ INFO|^\s+(decoder|embedding|output_layer)\.|return func|return torch|Params for bucket|^\s*$"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }; stamp() { echo "[t+$(el)s] $*"; }
-left() { local t=$(( ${DEADLINE:-560} - $(el) - ${1:-0} )); [ $t -lt 1 ] && t=1; echo $t; }
-cap() { local l; l=$(left ${2:-0}); [ $l -lt $1 ] && echo $l || echo $1; }  # min(cap, time left - reserve)
-trap 'tar czf $OUT/results.tgz -C $RES .' EXIT
+. bench/gpu_lib.sh
+: "${DEADLINE:=560}"
+gpu_setup /tmp/res w06 suite
 stamp tests
 timeout 80 python -m pytest -q -s -p no:cacheprovider "tests/gpu/test_fsdp_gpu.py::test_offload_matches_no_offload" \
     "tests/gpu/test_attention_gpu.py::test_gqa_native_and_repeated_paths_match_reference" 2>&1 | quiet > $RES/gpu_tests.txt

@@ -67,7 +67,8 @@ class VarlenCoreAttention(MegatronModule):
             raise ValueError("VarlenCoreAttention takes packed THD input (PackedSeqParams(qkv_format='thd'))")
         if attention_bias is not None:
             raise ValueError("VarlenCoreAttention does not take an attention bias")
-        # The qk-norms may return another dtype than v under mixed precision; kernels want one.
+        # One dtype for the kernel: the engine holds the whole model in the compute dtype, so these
+        # casts are no-ops there; they keep other callers (a model built with fp32 norms) working.
         out = varlen_causal_attention(
             query.to(value.dtype),
             key.to(value.dtype),
