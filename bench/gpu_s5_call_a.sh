@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 6, device call A: what the open issues still need from one GPU with the code as it stands:
+# Session 5, device call A (ran as bench/gpu_s6a.sh at 6150125): what the open issues still need from one GPU with the code as it stands:
 # the FSDP offload-vs-fp32 and GQA-path GPU tests (issue 3), the verl W1-0.6b cell (issue 5; --resume keeps
 # the measured rows), varlen vs flex (issue 3), the Megatron W1 update after 52a9f1b (norm dtype) and 9b35bb2
 # (SwiGLU / residual-add fusions). Carry .whl (incl. .whl/verl). DEADLINE = seconds for the whole script.
