@@ -45,6 +45,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    p.add_argument("--master-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameters, gradients and AdamW state: float32 (16 B/param) or bfloat16 (8 B/param, "
+                   "stochastic rounding); see actor.master_dtype")  # fmt: skip
     p.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (default 5)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
@@ -82,7 +85,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         results["slipstream"] = bench_train_step(
             args.workload, backend=args.backend, max_tokens_per_mb=args.max_tokens_per_mb, dtype=dtype,
             activation_checkpointing=args.ac, compile=args.compile, repeats=args.repeats, warmup=args.warmup,
-            device=args.device, preset=args.preset, peak_flops=args.peak_flops,
+            device=args.device, preset=args.preset, peak_flops=args.peak_flops, master_dtype=args.master_dtype,
         )  # fmt: skip
         if args.naive:
             from slipstream.bench.naive import bench_naive
@@ -96,6 +99,7 @@ def run_train_step(args: argparse.Namespace) -> int:
             results["memory_curve"] = memory_curve(
                 preset, args.memory_curve, backend=args.backend, dtype=dtype,
                 activation_checkpointing=args.ac, compile=args.compile, device=args.device,
+                master_dtype=args.master_dtype,
             )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)
@@ -139,6 +143,7 @@ def result_row(name: str, r: dict) -> dict[str, str]:
     setting = (
         f"{cfg['backend']} cap={cfg['max_tokens_per_mb']} ac={cfg['activation_checkpointing']}"
         + (" compile" if cfg.get("compile") else "")
+        + (" bf16-master" if cfg.get("master_dtype") == "bfloat16" else "")
         if cfg["impl"] == "slipstream"
         else f"hf padded mbs={cfg['micro_batch_size']} gc={cfg['gradient_checkpointing']}"
     )

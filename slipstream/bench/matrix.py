@@ -77,6 +77,9 @@ class CellSettings:
     """slipstream's micro-batch token budget (peers use their own micro-batching, see `peers`)."""
     compile: bool = False
     """torch.compile slipstream's blocks."""
+    master_dtype: str = "float32"
+    """slipstream's parameters, gradients and AdamW state: "float32" (16 B/param) or "bfloat16" (8 B/param,
+    stochastically rounded updates; fsdp cells only, Megatron keeps fp32 master weights). Peers keep their own."""
     repeats: int = 3
     """Timed repeats per phase, after `warmup` discarded ones."""
     warmup: int = 1
@@ -260,12 +263,15 @@ def parse_spec(data: Mapping) -> MatrixSpec:
         recompute=_choice("recompute", data.get("recompute", s.recompute), RECOMPUTE),
         max_tokens_per_mb=_int("max_tokens_per_mb", data.get("max_tokens_per_mb", s.max_tokens_per_mb), 1),
         compile=_bool("compile", data.get("compile", s.compile)),
+        master_dtype=_choice("master_dtype", data.get("master_dtype", s.master_dtype), ("float32", "bfloat16")),
         repeats=_int("repeats", data.get("repeats", s.repeats), 1),
         warmup=_int("warmup", data.get("warmup", s.warmup), 0),
         planner=_choice("planner", data.get("planner", s.planner), ("kk", "ffd")),
         device=_choice("device", data.get("device", s.device), (None, "cuda", "cpu")),
         peak_flops=_peak("peak_flops", data.get("peak_flops", s.peak_flops)),
     )
+    if settings.master_dtype == "bfloat16" and settings.dtype != "bfloat16":
+        raise ValueError("matrix spec: master_dtype: bfloat16 needs dtype: bfloat16")
     trl, verl = _peers(data.get("peers", {}), workloads)
     return MatrixSpec(
         workloads=workloads,
@@ -423,10 +429,12 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
     dtype = getattr(torch, s.dtype)
     # The megatron engine does not torch.compile its blocks: the row says so instead of implying it.
     compile = s.compile and backend == "fsdp"
+    # The same for bf16 master weights: Megatron's distributed optimizer keeps fp32 ones.
+    master = s.master_dtype if backend == "fsdp" else "float32"
     r = bench_train_step(
         w, backend=backend, max_tokens_per_mb=s.max_tokens_per_mb, dtype=dtype, activation_checkpointing=s.recompute,
         compile=compile, repeats=s.repeats, warmup=s.warmup, device=s.device, planner=s.planner,
-        peak_flops=s.peak_flops,
+        peak_flops=s.peak_flops, master_dtype=master,
     )  # fmt: skip
     device = torch.device(r["config"]["device"])
     kernel = select_backend(torch.empty(0, device=device, dtype=dtype))
@@ -440,6 +448,7 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
             "dtype": s.dtype,
             "params_dtype": (
                 ("bf16 params, fp32 main grads + fp32 master weights in the distributed optimizer" if backend == "megatron"
+                 else "bf16 parameters, gradients and AdamW state, stochastically rounded updates" if master == "bfloat16"
                  else "float32 master weights, bf16 compute (FSDP2 mixed precision)") if mixed else "float32"
             ),
             "attention_kernel": f"{_KERNEL_NAMES.get(kernel, kernel)} over packed sequences (no padding)",
@@ -448,7 +457,8 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
             "padded_tokens": tokens,  # packed: every token run through the model is real
             "padding_fraction": 0.0,
             "loss_normalisation": "PPO-clip, token-mean over the minibatch's loss tokens (global denominator)",
-            "optimizer": "AdamW lr=1e-6 betas=(0.9,0.999) wd=0, fp32 state, grad clip 1.0",
+            "optimizer": f"AdamW lr=1e-6 betas=(0.9,0.999) wd=0, {'bf16 state (stochastic rounding)' if master == 'bfloat16' else 'fp32 state'}"
+            ", grad clip 1.0",
             "micro_batching": f"token budget {s.max_tokens_per_mb} ({s.planner} planner), "
             f"{r['micro_batches']['count']} micro-batches",
             "logprob_head": "fused chunked linear->log-prob (no (T, V) logits)",

@@ -143,6 +143,7 @@ def build_engine_for_bench(
     max_tokens_per_mb: int = 16384,
     activation_checkpointing: str = "none",
     compile: bool = False,
+    master_dtype: str = "float32",
 ):
     """A trainable engine (AdamW, lr 1e-6) around `model`, built by the shared factory."""
     parse_backend(backend)  # ValueError naming the accepted forms
@@ -150,7 +151,7 @@ def build_engine_for_bench(
         raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {activation_checkpointing!r}")
     actor = ActorSection(
         backend=backend, activation_checkpointing=activation_checkpointing, compile=compile,
-        max_tokens_per_mb=max_tokens_per_mb, lr=1e-6,
+        max_tokens_per_mb=max_tokens_per_mb, lr=1e-6, master_dtype=master_dtype,
     )  # fmt: skip
     return build_engine(model, device, dtype, temperature=1.0, actor=actor)
 
@@ -202,15 +203,22 @@ def bench_train_step(
     peak_flops: float | None = None,
     with_entropy: bool = False,
     seed: int = 0,
+    master_dtype: str = "float32",
 ) -> dict:
-    """Time one actor update and one log-prob pass of the workload; returns a JSON-ready dict."""
+    """Time one actor update and one log-prob pass of the workload; returns a JSON-ready dict.
+
+    `master_dtype="bfloat16"` holds parameters, gradients and AdamW state in bf16 (8 B/param,
+    stochastically rounded updates; engine/optim.py) instead of fp32 (16 B/param).
+    """
     w = get_workload(workload, preset) if isinstance(workload, str) else workload
     if preset is not None and preset != w.preset:
         w = w.with_preset(preset)
     device = resolve_device(device, backend)
     cfg = get_preset(w.preset)
     model = _build_model(cfg, device, seed)
-    engine = build_engine_for_bench(model, backend, device, dtype, max_tokens_per_mb, activation_checkpointing, compile)
+    engine = build_engine_for_bench(
+        model, backend, device, dtype, max_tokens_per_mb, activation_checkpointing, compile, master_dtype
+    )
     device = engine.device  # the fsdp backend pins this rank's GPU
     batch = synthetic_batch(w, cfg.vocab_size)
     mbs = plan_and_select(batch, cfg, max_tokens_per_mb, planner, engine)
@@ -245,7 +253,7 @@ def bench_train_step(
         "config": {
             "impl": "slipstream", "backend": backend, "max_tokens_per_mb": max_tokens_per_mb,
             "dtype": str(dtype).removeprefix("torch."), "activation_checkpointing": activation_checkpointing,
-            "compile": compile, "planner": planner, "repeats": repeats, "warmup": warmup,
+            "compile": compile, "master_dtype": master_dtype, "planner": planner, "repeats": repeats, "warmup": warmup,
             "device": str(device), "num_ranks": ranks, "with_entropy": with_entropy, "peak_flops": peak,
         },  # fmt: skip
         "micro_batches": {
@@ -282,6 +290,7 @@ def memory_curve(
     compile: bool = False,
     device: torch.device | str | None = None,
     seed: int = 0,
+    master_dtype: str = "float32",
 ) -> dict:
     """Peak memory of one fwd+bwd micro-batch of N tokens (sequences of `seq_len`) for each N.
 
@@ -293,7 +302,7 @@ def memory_curve(
     cfg = get_preset(preset)
     model = _build_model(cfg, device, seed)
     max_n = max(tokens_per_mb_list)
-    engine = build_engine_for_bench(model, backend, device, dtype, max_n, activation_checkpointing, compile)
+    engine = build_engine_for_bench(model, backend, device, dtype, max_n, activation_checkpointing, compile, master_dtype)
     device = engine.device
     loss_fn = SpecLoss(needs_entropy=False)
 
@@ -326,7 +335,7 @@ def memory_curve(
     result = {
         "kind": "memory_curve", "preset": preset, "seq_len": seq_len, "backend": backend,
         "dtype": str(dtype).removeprefix("torch."), "activation_checkpointing": activation_checkpointing,
-        "points": points, "largest_fitting_tokens": max(fits) if fits else None, "env": env_info(),
+        "master_dtype": master_dtype, "points": points, "largest_fitting_tokens": max(fits) if fits else None, "env": env_info(),
     }  # fmt: skip
     del engine, model
     _free(device)

@@ -25,7 +25,7 @@ class ModelSection:
     use_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the actor; master weights and optimizer state stay float32."""
+    """Compute dtype of the actor; master weights and optimizer state are actor.master_dtype (float32 by default)."""
     init_seed: int = 0
     """Seed of the random initialisation of a preset."""
 
@@ -198,6 +198,8 @@ class ActorSection:
     """Keep actor parameters and optimizer state on the CPU between uses (FSDP2 CPUOffloadPolicy)."""
     offload_ref: bool = False
     """Keep the reference model on the CPU (by default it stays on the GPU when it fits)."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the actor's parameters, gradients and AdamW state: float32 (16 B/param) or bfloat16 (8 B/param, updates stochastically rounded; needs model.dtype=bfloat16, local or fsdp backend)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -331,6 +333,14 @@ def check_config(cfg: Config) -> None:
     if rw.timeout_s <= 0:
         raise ValueError(f"reward.timeout_s must be > 0, got {rw.timeout_s}")
     parse_backend(cfg.actor.backend)
+    if cfg.actor.master_dtype == "bfloat16":
+        if cfg.model.dtype != "bfloat16":
+            raise ValueError("actor.master_dtype=bfloat16 needs model.dtype=bfloat16 (bf16 weights cannot compute in float32)")
+        if parse_backend(cfg.actor.backend)[0] == "megatron":
+            raise ValueError(
+                "actor.master_dtype=bfloat16 is not available on the megatron backend (its distributed optimizer keeps "
+                "fp32 master weights); use actor.backend=fsdp or local, or master_dtype=float32"
+            )
     if len(cfg.actor.betas) != 2:
         raise ValueError(f"actor.betas must have two values, got {cfg.actor.betas}")
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):

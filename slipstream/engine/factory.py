@@ -44,6 +44,11 @@ def build_engine(
     if offload is None:
         offload = actor.offload_ref if forward_only else actor.offload_params
     backend, layout = parse_backend(actor.backend)
+    if actor.master_dtype != "float32" and not forward_only and (backend == "megatron" or compute_dtype != torch.bfloat16):
+        raise ValueError(
+            f"actor.master_dtype={actor.master_dtype} needs model.dtype=bfloat16 and the local or fsdp backend "
+            f"(got compute dtype {compute_dtype}, backend {backend!r}); the megatron backend keeps fp32 master weights"
+        )
     if backend == "megatron":
         from slipstream.engine.megatron.engine import MegatronEngine  # megatron-core only when asked for
 

@@ -93,9 +93,9 @@ class FSDPEngine(LocalEngine):
     # ------------------------------------------------------------------ backend hooks
     def _place_model(self, model: Transformer) -> Transformer:
         # fully_shard moves each rank's shard to the mesh device (or keeps it on the CPU
-        # under CPUOffloadPolicy); the fp32 shards are the master weights.
+        # under CPUOffloadPolicy); the shards (fp32, or bf16 with actor.master_dtype) are the master weights.
         model = parallelize(
-            model.to(dtype=torch.float32),
+            model.to(dtype=self.master_dtype),
             activation_checkpointing=self.activation_checkpointing,
             compile=self.compile,
             mesh=dp_mesh(self.device.type),
@@ -113,6 +113,9 @@ class FSDPEngine(LocalEngine):
 
     def _fused_optimizer(self) -> bool:
         return self.device.type == "cuda" and not self.offload_params
+
+    def _rank(self) -> int:
+        return self.rank
 
     def _autocast(self):
         # FSDP's MixedPrecisionPolicy already gathers parameters in the compute dtype.

@@ -1,8 +1,9 @@
-"""The "local" backend: one process, the CPU or one GPU, fp32 master weights.
+"""The "local" backend: one process, the CPU or one GPU, fp32 master weights by default.
 
-On CUDA with `model.dtype=bfloat16` the forward runs under bf16 autocast while parameters,
-gradients and AdamW state stay fp32. The FSDP2 backend keeps this exact training step and
-only changes where parameters live and how gradients are reduced.
+With `model.dtype=bfloat16` the forward runs under bf16 autocast while parameters, gradients
+and AdamW state stay fp32; `actor.master_dtype=bfloat16` holds those in bf16 too, with
+stochastically rounded AdamW updates (engine/optim.py). The FSDP2 backend keeps this exact
+training step and only changes where parameters live and how gradients are reduced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection
 from slipstream.engine.base import LogProbOutput, LossFn
+from slipstream.engine.optim import build_optimizer
 from slipstream.models import hf
 from slipstream.models.transformer import Transformer
 from slipstream.ops.logprobs import linear_logprobs
@@ -73,6 +75,7 @@ class LocalEngine:
         self.temperature = temperature
         self.actor = actor
         self.chunk_size = actor.logprob_chunk_size if actor else None
+        self.master_dtype = getattr(torch, actor.master_dtype) if actor else torch.float32
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         if actor is None:
@@ -81,14 +84,7 @@ class LocalEngine:
         if actor is None:
             self.model.eval()
             return
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=actor.lr,
-            betas=tuple(actor.betas),
-            eps=actor.eps,
-            weight_decay=actor.weight_decay,
-            fused=self._fused_optimizer(),
-        )
+        self.optimizer = build_optimizer(self.model.parameters(), actor, fused=self._fused_optimizer(), rank=self._rank())
         warmup = max(actor.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -96,8 +92,12 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ backend hooks
     def _place_model(self, model: Transformer) -> Transformer:
-        """Put the fp32 master weights where training happens."""
-        return model.to(device=self.device, dtype=torch.float32)
+        """Put the master weights (fp32, or bf16 with `actor.master_dtype`) where training happens."""
+        return model.to(device=self.device, dtype=self.master_dtype)
+
+    def _rank(self) -> int:
+        """This process's rank (seeds the stochastic rounding of bf16 master weights)."""
+        return 0
 
     def _fused_optimizer(self) -> bool:
         """Fused AdamW kernels when the parameters live on the GPU."""

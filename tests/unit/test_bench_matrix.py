@@ -85,6 +85,8 @@ def test_spec_parses_named_inline_and_like_workloads():
         ({"workloads": ["tiny", "tiny"]}, r"distinct names"),
         ({"peers": {"trl": {"per_device_train_batch_size": 3}}}, r"does not divide the 8 sequences of workload 'tiny'"),
         ({"on_error": "ignore"}, r"on_error must be one of"),
+        ({"master_dtype": "bf16"}, r"master_dtype must be one of.*did you mean 'bfloat16'"),
+        ({"master_dtype": "bfloat16", "dtype": "float32"}, r"master_dtype: bfloat16 needs dtype: bfloat16"),
     ],
 )
 def test_spec_rejects_bad_input_naming_the_key(overrides, message):
@@ -371,3 +373,14 @@ def test_tiny_matrix_end_to_end(tmp_path):
     assert trl["micro_batches"]["count"] == 2 and math.isfinite(trl["impl"]["last_loss"])
     paths = write_matrix_report(tmp_path / "results.jsonl", tmp_path)
     assert "| tiny (tiny) | trl | fsdp | ok |" in paths["markdown"].read_text()
+
+
+def test_bf16_master_cell_runs_and_says_so(tmp_path):
+    """master_dtype: bfloat16 reaches slipstream's fsdp engine; the megatron cell keeps fp32 master weights."""
+    spec = parse_spec(_spec(backends=["fsdp", "megatron"], dtype="bfloat16", master_dtype="bfloat16", repeats=1, warmup=0))
+    fsdp, mega = run_matrix(spec, tmp_path / "results.jsonl")
+    assert fsdp["status"] == "ok" and mega["status"] == "ok", (fsdp["reason"], mega["reason"])
+    assert fsdp["impl"]["config"]["master_dtype"] == "bfloat16" and mega["impl"]["config"]["master_dtype"] == "float32"
+    assert "bf16 state (stochastic rounding)" in fsdp["fairness"]["optimizer"]
+    assert "fp32 state" in mega["fairness"]["optimizer"]
+    assert fsdp["held_constant"]["master_dtype"] == "bfloat16"

@@ -1,0 +1,137 @@
+"""The actor's optimizer: torch AdamW over fp32 master weights, or AdamW over bf16 weights with stochastic rounding.
+
+`actor.master_dtype=float32` (the default) keeps fp32 parameters, gradients and AdamW state:
+16 bytes per parameter. `actor.master_dtype=bfloat16` keeps all four in bf16, 8 bytes per
+parameter, the memory class of TRL's and verl's bf16 training. Plain bf16 AdamW loses every
+update smaller than half a bf16 step (relative 2^-9): at an RL learning rate of 1e-6 that is
+nearly all of them, and the second moment's (1 - beta2) = 1e-3 increments vanish the same way.
+`StochasticRoundingAdamW` does the AdamW arithmetic in fp32 and writes the new weights and both
+moments back to bf16 with stochastic rounding: a value between two bf16 neighbours rounds up
+with probability equal to its distance from the lower one, so the rounding is unbiased and
+small updates survive in expectation.
+
+Stochastic rounding of an fp32 `x` to bf16: add 16 uniformly random bits to the low half of
+x's bit pattern and truncate it. The low 16 bits are exactly what bf16 drops, and the carry
+into the upper half happens with probability (low bits) / 2^16. On the sign-magnitude bit
+pattern this rounds the magnitude, so the sign never flips and zero stays zero.
+
+Random bits come from a generator seeded from (seed, step, rank) at every step: a run resumed
+from a checkpoint draws the same bits as one that never stopped, without storing RNG state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from slipstream.config.schema import ActorSection
+
+CHUNK = 1 << 24
+"""Elements per chunk of the bf16 update: bounds its fp32 temporaries to a few hundred MiB."""
+_LOW_BITS = 1 << 16
+_HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as a signed int32
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """bf16 copy of the fp32 tensor `x`, rounded up or down at random with the unbiased probabilities."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic rounding takes a float32 tensor, got {x.dtype}")
+    noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits = x.contiguous().view(torch.int32) + noise
+    # After the mask the value is exactly representable in bf16, so the cast does not round again.
+    return bits.bitwise_and_(_HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (AdamW is elementwise), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class StochasticRoundingAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's formula) over bf16 parameters and bf16 moments.
+
+    Each step computes in fp32 and writes parameters, exp_avg and exp_avg_sq back to bf16 with
+    stochastic rounding. State keys and shapes match torch's AdamW (`step`, `exp_avg`,
+    `exp_avg_sq`), so torch.distributed.checkpoint saves and loads it like any optimizer.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16:
+                    raise TypeError(f"StochasticRoundingAdamW keeps bf16 parameters, got one in {p.dtype}")
+        self.seed = seed
+        self.rank = rank
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device, step: int) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        # distinct streams per (seed, step, rank); the constants only spread the three apart
+        gen.manual_seed((self.seed * 1_000_003 + step * 65_537 + self.rank) % (1 << 63))
+        return gen
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        seeded: set[torch.device] = set()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"])
+                param, grad = _local(p), _local(p.grad)
+                if param.numel() == 0:
+                    continue
+                if param.device not in seeded:  # one stream per device and step, over all parameters
+                    self._generator(param.device, step)
+                    seeded.add(param.device)
+                gen = self._generators[param.device]
+                bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+                flat = [t.view(-1) for t in (param, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]))]
+                for start in range(0, param.numel(), CHUNK):
+                    p_c, g_c, m_c, v_c = (t[start : start + CHUNK] for t in flat)
+                    g32 = g_c.float()
+                    m32 = m_c.float().lerp_(g32, 1 - beta1)
+                    v32 = v_c.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+                    p32 = p_c.float()
+                    if wd:
+                        p32.mul_(1 - lr * wd)
+                    denom = (v32 / bias2).sqrt_().add_(eps)
+                    p32.addcdiv_(m32, denom, value=-lr / bias1)
+                    p_c.copy_(stochastic_round_to_bf16(p32, gen))
+                    m_c.copy_(stochastic_round_to_bf16(m32, gen))
+                    v_c.copy_(stochastic_round_to_bf16(v32, gen))
+        return loss
+
+
+def build_optimizer(params: Iterable[torch.Tensor], actor: ActorSection, *, fused: bool, rank: int = 0) -> torch.optim.Optimizer:
+    """The actor's optimizer for `actor.master_dtype` (module docstring)."""
+    kwargs = dict(lr=actor.lr, betas=tuple(actor.betas), eps=actor.eps, weight_decay=actor.weight_decay)
+    if actor.master_dtype == "bfloat16":
+        return StochasticRoundingAdamW(params, **kwargs, rank=rank)
+    return torch.optim.AdamW(params, **kwargs, fused=fused)

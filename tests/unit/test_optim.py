@@ -1,0 +1,219 @@
+"""bf16 master weights: stochastic rounding and StochasticRoundingAdamW against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_checks import assert_weights_close
+from slipstream.config.schema import ActorSection, Config
+from slipstream.engine.factory import build_engine
+from slipstream.engine.optim import StochasticRoundingAdamW, build_optimizer, stochastic_round_to_bf16
+from test_fsdp import CAP, CPU, LOSSES, BATCHES, make_model, one_thread, pg, run_steps  # noqa: F401 (fixtures)
+from slipstream.engine.factory import local_micro_batches
+from slipstream.engine.fsdp import FSDPEngine
+from slipstream.engine.local import LocalEngine
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(toward zero, away from zero) bf16 neighbours of fp32 values, in float64."""
+    bits = x.view(torch.int32)
+    low = (bits & -65536).view(torch.float32)
+    high = ((bits & -65536) + 65536).view(torch.float32)
+    return low.double(), high.double()
+
+
+def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(6, generator=gen) * 10.0 ** torch.arange(-6, 0).float(), -torch.rand(4, generator=gen)])
+    draws = 20000
+    x = values.repeat(draws, 1)  # each column: one value drawn `draws` times
+    rounded = stochastic_round_to_bf16(x, torch.Generator().manual_seed(1)).double()
+    low, high = _bf16_neighbours(values)
+    assert ((rounded == low) | (rounded == high)).all()  # never further than the two neighbours
+    assert (torch.sign(rounded) == torch.sign(x.double())).all()
+    # the mean of the draws is the fp32 value: the probability of rounding away from zero is the
+    # distance from the lower neighbour, relative to the gap (standard error sqrt(p(1-p)/draws) * gap)
+    gap = (high - low).abs()
+    assert (rounded.mean(0) - values.double()).abs().max() <= (4 * 0.5 / draws**0.5 * gap).max()
+    # both neighbours are drawn: round-to-nearest would give one of them every time
+    assert ((rounded == low).any(0) & (rounded == high).any(0)).all()
+
+
+def test_stochastic_rounding_keeps_representable_values_and_specials():
+    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e38, 1e-30, float("inf"), float("-inf")]).bfloat16().float()
+    out = stochastic_round_to_bf16(exact, torch.Generator().manual_seed(0))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out.float(), exact)
+    assert stochastic_round_to_bf16(torch.tensor([float("nan")])).isnan().all()
+    with pytest.raises(TypeError, match="float32"):
+        stochastic_round_to_bf16(torch.ones(2, dtype=torch.float64))
+
+
+def _adam_steps(opt_cls, p0: torch.Tensor, grads: list[torch.Tensor], **kw) -> torch.Tensor:
+    p = torch.nn.Parameter(p0.clone())
+    opt = opt_cls([p], **kw)
+    for g in grads:
+        p.grad = g.to(p.dtype)
+        opt.step()
+    return p.detach()
+
+
+def test_small_updates_survive_in_expectation_where_plain_bf16_adamw_loses_them():
+    """lr 1e-5 on weights ~0.02: each step is a fraction of a bf16 step, as in RL fine-tuning."""
+    gen = torch.Generator().manual_seed(0)
+    n, steps, lr = 200_000, 40, 1e-5
+    p0 = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16)
+    direction = torch.randn(n, generator=gen).sign()
+    grads = [direction * (1 + 0.1 * torch.randn(n, generator=gen)) for _ in range(steps)]
+    kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    ref = _adam_steps(torch.optim.AdamW, p0.double(), [g.double() for g in grads], **kw)
+    sr = _adam_steps(StochasticRoundingAdamW, p0, grads, **kw).double()
+    plain = _adam_steps(torch.optim.AdamW, p0, grads, **kw).double()
+
+    def moved(p: torch.Tensor) -> float:  # mean displacement along the descent direction
+        return float(((p0.double() - p) * direction).mean())
+
+    assert moved(ref) == pytest.approx(steps * lr, rel=0.02)  # Adam moves ~lr per step here
+    assert moved(sr) == pytest.approx(moved(ref), rel=0.02)
+    assert moved(plain) < 0.5 * moved(ref)  # the failure stochastic rounding is there to fix
+    # per element the error is a few bf16 steps of random walk, not a drift
+    err = sr - ref
+    assert abs(float(err.mean())) < 0.01 * moved(ref)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_float64_adamw_when_updates_are_large(weight_decay):
+    """Bias correction, decoupled weight decay, betas and eps follow torch's AdamW formula."""
+    gen = torch.Generator().manual_seed(1)
+    n, steps = 4096, 8
+    p0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(steps)]
+    kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    ref = _adam_steps(torch.optim.AdamW, p0.double(), [g.double() for g in grads], **kw)
+    got = _adam_steps(StochasticRoundingAdamW, p0, grads, **kw).double()
+    moved = (ref - p0.double()).abs().mean()
+    assert moved > 0.05  # large updates: a wrong formula would be far off
+    # per element: a few bf16 steps (2^-8 relative) of rounding noise after eight steps
+    assert ((got - ref).abs() <= 2**-5 * (ref.abs() + 0.1)).all()
+    # the update itself: regressing got's displacement on the reference's gives slope 1 (a missing
+    # bias correction or a wrong beta scales it by ~0.9 here)
+    d_ref, d_got = ref - p0.double(), got - p0.double()
+    assert float((d_got * d_ref).sum() / (d_ref * d_ref).sum()) == pytest.approx(1.0, abs=0.01)
+
+
+def test_state_is_bf16_and_resumes_with_the_same_random_bits():
+    gen = torch.Generator().manual_seed(2)
+    p0 = torch.randn(1000, generator=gen).to(torch.bfloat16)
+    grads = [torch.randn(1000, generator=gen) for _ in range(4)]
+    straight = torch.nn.Parameter(p0.clone())
+    opt = StochasticRoundingAdamW([straight], lr=1e-3)
+    for g in grads:
+        straight.grad = g.to(torch.bfloat16)
+        opt.step()
+    assert {k: v.dtype for k, v in opt.state[straight].items()} == {
+        "step": torch.float32, "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16,
+    }  # fmt: skip
+    first = torch.nn.Parameter(p0.clone())
+    opt1 = StochasticRoundingAdamW([first], lr=1e-3)
+    for g in grads[:2]:
+        first.grad = g.to(torch.bfloat16)
+        opt1.step()
+    resumed = torch.nn.Parameter(first.detach().clone())
+    opt2 = StochasticRoundingAdamW([resumed], lr=1e-3)
+    opt2.load_state_dict(opt1.state_dict())
+    for g in grads[2:]:
+        resumed.grad = g.to(torch.bfloat16)
+        opt2.step()
+    assert torch.equal(resumed, straight)  # per-step seeding: no RNG state to save
+    with pytest.raises(TypeError, match="bf16 parameters"):
+        StochasticRoundingAdamW([torch.nn.Parameter(torch.ones(2))])
+
+
+def test_build_optimizer_follows_master_dtype():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    assert type(build_optimizer(p, ActorSection(), fused=False)) is torch.optim.AdamW
+    pb = [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
+    assert isinstance(build_optimizer(pb, ActorSection(master_dtype="bfloat16"), fused=False), StochasticRoundingAdamW)
+
+
+def test_config_rejects_bf16_master_without_bf16_compute_or_on_megatron():
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        Config(actor=ActorSection(master_dtype="bfloat16"))
+    cfg = Config()
+    cfg.model.dtype = "bfloat16"
+    with pytest.raises(ValueError, match="megatron"):
+        Config(model=cfg.model, actor=ActorSection(master_dtype="bfloat16", backend="megatron"))
+    Config(model=cfg.model, actor=ActorSection(master_dtype="bfloat16", backend="fsdp"))  # accepted
+    with pytest.raises(ValueError, match="master_dtype"):
+        build_engine(make_model(), CPU, torch.float32, 1.0, ActorSection(master_dtype="bfloat16"))
+
+
+# ---------------------------------------------------------------- engines
+
+BF16_ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP, master_dtype="bfloat16")
+FP32_ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP)
+
+
+def _training_bytes(engine) -> tuple[int, int]:
+    """(bytes of parameters + gradients + AdamW moments, parameter count) of an engine's local shards."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total, count = 0, 0
+    for p in engine.model.parameters():
+        count += local(p).numel()
+        total += local(p).nbytes + local(p.grad).nbytes
+        state = engine.optimizer.state[p]
+        total += local(state["exp_avg"]).nbytes + local(state["exp_avg_sq"]).nbytes
+    return total, count
+
+
+def _one_step_keep_grads(engine) -> None:
+    mbs, _ = local_micro_batches(BATCHES[0](), CAP)
+    engine.forward_backward(mbs, LOSSES[0], max_response_len=16)
+    engine.optimizer.step()  # engine.optim_step would drop the gradients
+
+
+@pytest.mark.parametrize("backend", ["local", "fsdp"])
+def test_engine_holds_8_bytes_per_parameter_and_trains_like_fp32(pg, backend):
+    cls = LocalEngine if backend == "local" else FSDPEngine
+    bf16 = cls(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+    fp32 = cls(make_model(), CPU, torch.bfloat16, 1.0, FP32_ACTOR)
+    _one_step_keep_grads(bf16)
+    _one_step_keep_grads(fp32)
+    nbytes, count = _training_bytes(bf16)
+    assert nbytes == 8 * count
+    assert _training_bytes(fp32)[0] == 16 * count
+    # the next steps: the same losses and gradient norms up to bf16 rounding of the weights
+    got, want = run_steps(bf16), run_steps(fp32)
+    for g, w in zip(got, want, strict=True):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert g[key] == pytest.approx(w[key], rel=0.05, abs=1e-3), key
+    assert_weights_close(
+        {k: v.float() for k, v in bf16.export_weights()}, {k: v.float() for k, v in fp32.export_weights()}, atol=0.03
+    )
+
+
+def test_fsdp_bf16_master_matches_local(pg):
+    """World size 1: FSDP's bf16 shards take the same steps (and random bits) as the local engine's."""
+    local = LocalEngine(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+    fsdp = FSDPEngine(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+    got, want = run_steps(fsdp), run_steps(local)
+    for g, w in zip(got, want, strict=True):
+        assert g["actor/pg_loss"] == pytest.approx(w["actor/pg_loss"], rel=1e-3, abs=1e-5)
+    assert_weights_close(dict(fsdp.export_weights()), dict(local.export_weights()), atol=2e-2)
+
+
+def test_fsdp_bf16_master_save_load_resumes_exactly(pg, tmp_path):
+    first = FSDPEngine(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+    run_steps(first, steps=1)
+    first.save(tmp_path)
+    resumed = FSDPEngine(make_model(seed=7), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+    resumed.load(tmp_path)
+    mbs, _ = local_micro_batches(BATCHES[1](), CAP)
+    want = first.forward_backward(mbs, LOSSES[1], max_response_len=16) | first.optim_step()
+    got = resumed.forward_backward(mbs, LOSSES[1], max_response_len=16) | resumed.optim_step()
+    assert got == want
+    for (name, a), (_, b) in zip(resumed.export_weights(), first.export_weights(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
