@@ -11,3 +11,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """A 1-process gloo group for the in-process FSDP tests of one module."""
+    from slipstream.engine.distributed import destroy_distributed, init_distributed
+
+    init_distributed("cpu")
+    yield
+    destroy_distributed()

@@ -22,7 +22,7 @@ from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.config.schema import ActorSection
-from slipstream.engine.distributed import destroy_distributed, free_port, init_distributed
+from slipstream.engine.distributed import destroy_distributed, free_port
 from slipstream.engine.factory import build_engine, gather_per_token, local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
@@ -102,14 +102,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def pg():
-    """A 1-process gloo group for the in-process tests."""
-    init_distributed("cpu")
-    yield
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

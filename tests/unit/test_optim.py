@@ -9,10 +9,12 @@ from engine_checks import assert_weights_close
 from slipstream.config.schema import ActorSection, Config
 from slipstream.engine.factory import build_engine
 from slipstream.engine.optim import StochasticRoundingAdamW, build_optimizer, stochastic_round_to_bf16
-from test_fsdp import CAP, CPU, LOSSES, BATCHES, make_model, one_thread, pg, run_steps  # noqa: F401 (fixtures)
 from slipstream.engine.factory import local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
+from test_fsdp import BATCHES, CAP, CPU, LOSSES, make_model, run_steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
