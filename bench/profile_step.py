@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-mb", type=int, default=32768)
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--master-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -90,7 +91,7 @@ def main() -> None:
     cfg = get_preset(w.preset)
     engine = build_engine_for_bench(
         _build_model(cfg, device, 0), args.backend, device, torch.bfloat16, args.max_tokens_per_mb,
-        args.activation_checkpointing, args.compile,
+        args.activation_checkpointing, args.compile, args.master_dtype,
     )  # fmt: skip
     device = engine.device
     batch = synthetic_batch(w, cfg.vocab_size)
@@ -125,7 +126,7 @@ def main() -> None:
     kernel_sum = sum(per_cat.values())
 
     print(f"\n{w.name} on {w.preset}: backend {args.backend}, {len(mbs)} micro-batches of <= {args.max_tokens_per_mb} "
-          f"tokens, AC {args.activation_checkpointing}, compile {args.compile}")
+          f"tokens, AC {args.activation_checkpointing}, compile {args.compile}, master {args.master_dtype}")
     print(f"update wall (CUDA events, unprofiled) {wall_s * 1e3:.0f} ms -> {flops / wall_s / 1e12:.1f} TFLOP/s; "
           f"peak {peak / 2**30 if peak else float('nan'):.1f} GiB")
     print(f"profiled: kernel span {span_us / 1e3:.0f} ms, GPU busy (union) {busy_us / 1e3:.0f} ms "
