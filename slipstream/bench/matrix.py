@@ -555,10 +555,12 @@ def finished_rows(spec: MatrixSpec, out_jsonl: str | Path, env: Mapping | None =
     else:
         held = held_constant(spec)
     held = json.loads(json.dumps(held))  # as stored (tuples -> lists)
+    # A setting added after a row was recorded counts at its default (the value that row ran with).
+    defaults = {} if spec.rl_step is not None else json.loads(json.dumps(dataclasses.asdict(CellSettings())))
     workloads = {f"{w.name}/{f}/{b}": w for w, f, b in spec.cells()}
     for row in rows:
         problem = None
-        if row["held_constant"] != held:
+        if {**defaults, **row["held_constant"]} != held:
             problem = "was run with different held-constant settings"
         elif row["cell"] in workloads and spec.rl_step is None:
             if row["workload"] != json.loads(json.dumps(_workload_fields(workloads[row["cell"]]))):

@@ -219,6 +219,18 @@ def test_resume_keeps_finished_cells_and_reruns_the_rest(tmp_path, monkeypatch):
     calls.clear()
     run_matrix(spec, out, resume=True)
     assert calls == ["tiny/slipstream/megatron"]
+    # rows recorded before a setting existed count at its default: kept, unless the spec changes it
+    rows = read_rows(out)
+    for r in rows:
+        del r["held_constant"]["master_dtype"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls.clear()
+    run_matrix(spec, out, resume=True)
+    assert calls == []
+    bf16 = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["fsdp", "megatron"],
+                            dtype="bfloat16", master_dtype="bfloat16"))  # fmt: skip
+    with pytest.raises(ValueError, match="different held-constant settings"):
+        run_matrix(bf16, out, resume=True)
 
 
 def test_noise_and_stats_by_hand():
