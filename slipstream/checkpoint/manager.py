@@ -4,6 +4,11 @@ A checkpoint directory `step_000012/` holds the engine's own files (model, optim
 plus `trainer.pt` with the step, the data position and every RNG state, so `resume`
 continues exactly where the run stopped. A crash mid-save leaves only a `.tmp` directory,
 which the next save of that step removes; `latest()` never returns a partial checkpoint.
+
+Several processes (a data-parallel run) save together: rank 0 makes and later renames the
+directory, every rank writes its engine shards and its own trainer state (`trainer.pt` for
+rank 0, `trainer_rank<r>.pt` for the others: each rank has its own rollout sampler), with
+barriers in between.
 """
 
 from __future__ import annotations
@@ -50,14 +55,34 @@ class CheckpointManager:
         steps = self.steps()
         return self.root / f"step_{steps[-1]:06d}" if steps else None
 
-    def save(self, step: int, write: Callable[[Path], None], trainer_state: dict[str, Any]) -> Path:
-        """`write(tmp_dir)` stores the engine's files; trainer_state goes to trainer.pt."""
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        trainer_state: dict[str, Any],
+        *,
+        rank: int = 0,
+        barrier: Callable[[], None] | None = None,
+    ) -> Path:
+        """`write(tmp_dir)` stores the engine's files; trainer_state goes to this rank's trainer file.
+
+        With several processes every rank calls this with the same `step` and a `barrier` over all ranks.
+        """
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if barrier:
+            barrier()  # the directory exists before any rank writes
         write(tmp)
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
+        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / trainer_file(rank))
+        if barrier:
+            barrier()  # every rank's files are in place before the rename
+        if rank != 0:
+            if barrier:
+                barrier()  # ... and the rename is done before any rank goes on
+            return final
         old = self.root / f"step_{step:06d}.old"
         if final.exists():  # re-saving the same step: move the old copy aside first, so a
             shutil.rmtree(old, ignore_errors=True)  # complete checkpoint exists at every moment
@@ -66,10 +91,20 @@ class CheckpointManager:
         shutil.rmtree(old, ignore_errors=True)
         for old in self.steps()[: -self.keep_last]:
             shutil.rmtree(self.root / f"step_{old:06d}", ignore_errors=True)
+        if barrier:
+            barrier()
         return final
 
     @staticmethod
-    def load_trainer_state(directory: Path) -> dict[str, Any]:
-        state = torch.load(Path(directory) / "trainer.pt", weights_only=False)
+    def load_trainer_state(directory: Path, rank: int = 0) -> dict[str, Any]:
+        path = Path(directory) / trainer_file(rank)
+        if not path.exists():
+            raise ValueError(f"{directory} has no {path.name}: it was saved by fewer processes than this run has")
+        state = torch.load(path, weights_only=False)
         set_rng_state(state["rng"])
         return state
+
+
+def trainer_file(rank: int) -> str:
+    """Name of a rank's trainer state in a checkpoint directory."""
+    return "trainer.pt" if rank == 0 else f"trainer_rank{rank}.pt"

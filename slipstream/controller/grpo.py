@@ -3,6 +3,14 @@
 One `RLTrainer.step()` reads top to bottom like the data flow in docs/architecture.md. The
 algorithm (advantage estimator, loss terms, aggregation) is picked from registries when the
 trainer is built; the loop itself never branches on it or on the backend.
+
+Several processes (`torchrun --nproc-per-node N slipstream train ...`, actor.backend fsdp or
+megatron with data parallelism only) run the same loop: every data-parallel rank reads the same
+prompts, generates and scores its share of the groups with its own rollout engine, and all
+ranks gather the samples, so advantages and the packed batch are the same everywhere. Each rank
+then trains on its share of the token-budget plan (the engines all-reduce loss denominators and
+gradients) and refreshes its own rollout weights. Rank 0 writes the logs, the config and the HF
+export; checkpoints hold every rank's engine shards and trainer state.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.checkpoint.manager import CheckpointManager
 from slipstream.config.loader import dump_yaml
-from slipstream.config.schema import Config
+from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
 from slipstream.controller.prompts import PromptSource
-from slipstream.engine.factory import build_engine, local_micro_batches
+from slipstream.engine.distributed import all_reduce_
+from slipstream.engine.factory import build_engine, gather_per_token, local_micro_batches
 from slipstream.engine.local import OutOfMemory
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
@@ -47,16 +56,18 @@ class NonFiniteLoss(RuntimeError):
 class RLTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun's environment; the engine's process group is created when the engine is built
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local":
             raise ValueError(
-                "slipstream train runs as one process for now (CPU or one GPU; local, fsdp or megatron backend); "
-                "multi-GPU RL runs are not wired into the loop yet. `slipstream bench train-step "
-                "--backend fsdp` does run under torchrun."
+                f"{self.world} processes need a distributed backend: set actor.backend=fsdp (or megatron); "
+                "the local backend trains in one process"
             )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
         self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
-        dump_yaml(cfg, self.run_dir / "config.yaml")
+        if self.rank == 0:
+            dump_yaml(cfg, self.run_dir / "config.yaml")
 
         self.tokenizer = setup.build_tokenizer(cfg)
         model, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))
@@ -69,14 +80,28 @@ class RLTrainer:
             ref_model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         self.engine = build_engine(model, self.device, compute_dtype, temperature, cfg.actor)
         self.device = self.engine.device
+        self.dp_rank, self.dp_size = getattr(self.engine, "dp_rank", 0), getattr(self.engine, "dp_size", 1)
+        if self.dp_size != self.world:
+            raise ValueError(
+                f"slipstream train over several processes supports data parallelism only (got {self.world} "
+                f"processes, {self.dp_size} data-parallel ranks from actor.backend={cfg.actor.backend!r}); "
+                "tensor / pipeline parallel layouts run under `slipstream bench train-step`"
+            )
+        if cfg.rollout.prompts_per_step % self.dp_size:
+            raise ValueError(
+                f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                f"{self.dp_size} data-parallel ranks (each rank generates whole groups)"
+            )
         self.ref = None
         if ref_model is not None:
             self.ref = build_engine(ref_model, self.device, compute_dtype, temperature, cfg.actor, forward_only=True)
 
         rollout_dtype = compute_dtype if self.device.type == "cuda" else torch.float32
+        # each data-parallel rank samples its own groups: its own random stream
         self.rollout = BuiltinRollout(
-            self.model_cfg, self.device, rollout_dtype, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.rollout.seed
-        )
+            self.model_cfg, self.device, rollout_dtype, max_batch_size=cfg.rollout.max_batch_size,
+            seed=cfg.rollout.seed + 1_000_003 * self.dp_rank,
+        )  # fmt: skip
         self.sampling = SamplingParams(
             temperature=temperature,
             top_p=cfg.rollout.top_p,
@@ -128,7 +153,8 @@ class RLTrainer:
         self.logger = MetricsLogger(
             build_sinks(self.run_dir, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
                         log_every=cfg.trainer.log_every, start_step=self.step_num)
-        )
+            if self.rank == 0 else []
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:
@@ -151,7 +177,7 @@ class RLTrainer:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self.step_num < self.cfg.trainer.total_steps and not stop_requested:
+            while self.step_num < self.cfg.trainer.total_steps and not self._any_rank(stop_requested):
                 metrics = self.step()
                 self.logger.log(self.step_num, metrics)
                 every = self.cfg.trainer.save_every
@@ -172,27 +198,41 @@ class RLTrainer:
             self.logger.close()
             self.rewards.close()
         self.save()
-        if stop_requested:
+        if self._any_rank(stop_requested):
             raise KeyboardInterrupt
         if self.cfg.trainer.export_hf:
+            # every rank iterates (the fsdp engine gathers each tensor); rank 0 writes
             weights = {hf.from_hf_name(name): t for name, t in self.engine.export_weights()}
-            out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
-            log.info("exported the policy as an HF checkpoint to %s", out)
+            if self.rank == 0:
+                out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
+                log.info("exported the policy as an HF checkpoint to %s", out)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (a stop request reaches ranks at different moments)."""
+        if self.world == 1:
+            return flag
+        return bool(all_reduce_(torch.tensor([int(flag)]), op=torch.distributed.ReduceOp.MAX)[0])
 
     def step(self) -> dict[str, float]:
         cfg = self.cfg
         timer = PhaseTimer(self.device)
         with timer.phase("step"):
+            # every rank reads the same prompts and generates the groups of its share of them
             records = self.prompts.next_batch()
+            first = self.dp_rank * len(records) // self.dp_size
+            records = records[first : first + len(records) // self.dp_size]
             with timer.phase("rollout"), _rollout_oom_advice(cfg):
                 groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling)
             samples = [
-                replace(s, group_id=g, prompt_text=r.prompt_text, answer=r.answer)
+                replace(s, group_id=first + g, prompt_text=r.prompt_text, answer=r.answer)
                 for g, (r, group) in enumerate(zip(records, groups))
                 for s in group
             ]
             with timer.phase("reward"):
                 samples = self._score(samples)
+            if self.world > 1:
+                with timer.phase("gather_samples"):
+                    samples = self._gather_samples(samples)
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             group_ids = torch.tensor([s.group_id for s in samples])
             seq_adv = self.advantage_fn(rewards, group_ids)
@@ -204,6 +244,7 @@ class RLTrainer:
             with timer.phase("update_weights"):
                 self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
         metrics = {**train_metrics, **self._sample_metrics(samples, rewards)}
+        metrics["perf/num_dp_ranks"] = float(self.dp_size)
         metrics.update(timer.summary())
         metrics.update(
             perf_metrics(
@@ -212,7 +253,7 @@ class RLTrainer:
                 response_lens=[len(s.response_ids) for s in samples],
                 times=timer.times,
                 train_passes=cfg.algo.ppo_epochs,
-                world_size=1,
+                world_size=self.world,
                 peak_flops=self.peak_flops,
             )
         )
@@ -227,26 +268,38 @@ class RLTrainer:
             for s, t, (r, info) in zip(samples, texts, scored)
         ]
 
-    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
-        """Token-budget micro-batches balanced by estimated work (linear + attention term of this model)."""
-        mbs, _ = local_micro_batches(
+    def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
+        """Every rank's scored samples on every rank, in group order (the one-process order)."""
+        gathered: list = [None] * self.world
+        torch.distributed.all_gather_object(gathered, samples)
+        return sorted((s for part in gathered for s in part), key=lambda s: s.group_id)
+
+    def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[tuple[int, ...]]]:
+        """This rank's token-budget micro-batches (and their sequence ids) of a plan balanced over the
+        data-parallel ranks by estimated work (linear + attention term of this model)."""
+        return local_micro_batches(
             batch, self.cfg.actor.max_tokens_per_mb, planner=self.cfg.actor.planner,
-            quadratic_scale=quadratic_scale_for(self.model_cfg),
-        )
-        return mbs
+            rank=self.dp_rank, world=self.dp_size, quadratic_scale=quadratic_scale_for(self.model_cfg),
+        )  # fmt: skip
+
+    def _per_token(self, values: list[torch.Tensor], ids: list[tuple[int, ...]], batch: PackedBatch) -> torch.Tensor:
+        """Per-token values of the whole batch from this rank's micro-batch results (all ranks' when several)."""
+        if self.dp_size > 1:
+            return gather_per_token(values, ids, batch)
+        return scatter_per_token(values, ids, batch)
 
     def _attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
         """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""
         updates = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs
-        mbs = self._micro_batches(batch) if (updates > 1 or self.ref is not None) else []
+        mbs, ids = self._micro_batches(batch) if (updates > 1 or self.ref is not None) else ([], [])
         if updates > 1:
             with timer.phase("old_log_probs"):
                 outs = self.engine.forward_logprobs(mbs)
-                batch = batch.with_(old_logprobs=scatter_per_token([o.logprobs.cpu() for o in outs], mbs, batch))
+                batch = batch.with_(old_logprobs=self._per_token([o.logprobs.cpu() for o in outs], ids, batch))
         if self.ref is not None:
             with timer.phase("ref_log_probs"):
                 outs = self.ref.forward_logprobs(mbs)
-                batch = batch.with_(ref_logprobs=scatter_per_token([o.logprobs.cpu() for o in outs], mbs, batch))
+                batch = batch.with_(ref_logprobs=self._per_token([o.logprobs.cpu() for o in outs], ids, batch))
         return batch
 
     def _train(self, batch: PackedBatch) -> dict[str, float]:
@@ -262,7 +315,7 @@ class RLTrainer:
             minibatches = split_minibatches(batch.num_seqs, cfg.algo.ppo_n_minibatches, cfg.rollout.group_size,
                                             generator=shuffle)
             for seq_ids in minibatches:
-                mbs = self._micro_batches(select(batch, seq_ids))
+                mbs, _ = self._micro_batches(select(batch, seq_ids))
                 metrics = self.engine.forward_backward(mbs, self.loss_fn, max_response_len=cfg.rollout.max_new_tokens)
                 metrics.update(self.engine.optim_step())
                 if cfg.trainer.stop_on_nan and not all(map(math.isfinite, metrics.values())):
@@ -298,13 +351,15 @@ class RLTrainer:
     def save(self) -> Path:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
                  "config": asdict(self.cfg)}
-        path = self.checkpoints.save(self.step_num, self.engine.save, state)
-        log.info("saved checkpoint %s", path)
+        barrier = torch.distributed.barrier if self.world > 1 else None
+        path = self.checkpoints.save(self.step_num, self.engine.save, state, rank=self.rank, barrier=barrier)
+        if self.rank == 0:
+            log.info("saved checkpoint %s", path)
         return path
 
     def _restore(self, directory: Path) -> None:
         self.engine.load(directory)
-        state = self.checkpoints.load_trainer_state(directory)
+        state = self.checkpoints.load_trainer_state(directory, self.rank)
         changed = _config_changes(state.get("config", {}), asdict(self.cfg))
         if changed:
             log.warning("resuming with a config that differs from the checkpoint's: %s", "; ".join(changed))

@@ -80,6 +80,7 @@ class FSDPEngine(LocalEngine):
     ) -> None:
         requested = device
         self.rank, self.world_size, device = init_distributed(torch.device(device).type)
+        self.dp_rank, self.dp_size = self.rank, self.world_size  # every rank is a data-parallel rank
         warn_if_other_device(requested, device)
         if activation_checkpointing is None:
             activation_checkpointing = actor.activation_checkpointing if actor is not None else "none"
