@@ -34,8 +34,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; checkpoint saved under {trainer.run_dir / 'checkpoints'} (run again to resume)")
         return 130
-    path = write_report(trainer.run_dir)
-    print(f"run finished: {trainer.run_dir} (report: {path})")
+    if trainer.rank == 0:  # under torchrun the other ranks only train
+        path = write_report(trainer.run_dir)
+        print(f"run finished: {trainer.run_dir} (report: {path})")
     return 0
 
 

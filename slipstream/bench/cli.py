@@ -39,6 +39,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("train-step", help="time the actor update and log-prob pass of one workload")
     p.add_argument("--workload", default="W1", help="named workload: W1, W1-0.6b, W1-4b, W1-8b, tiny (default W1)")
     p.add_argument("--preset", default=None, help="run the workload's lengths on another model preset")
+    p.add_argument("--scale", type=int, default=1,
+                   help="K x the workload's prompts, same length distribution: under torchrun with K ranks each "
+                   "rank gets the work of one (weak scaling; default 1)")  # fmt: skip
     p.add_argument("--backend", type=_backend, default="local",
                    help="local, fsdp, megatron or megatron:d<D>t<T>p<P>c<C> (default local)")  # fmt: skip
     p.add_argument("--max-tokens-per-mb", type=int, default=16384, help="micro-batch token budget (default 16384)")
@@ -86,6 +89,7 @@ def run_train_step(args: argparse.Namespace) -> int:
             args.workload, backend=args.backend, max_tokens_per_mb=args.max_tokens_per_mb, dtype=dtype,
             activation_checkpointing=args.ac, compile=args.compile, repeats=args.repeats, warmup=args.warmup,
             device=args.device, preset=args.preset, peak_flops=args.peak_flops, master_dtype=args.master_dtype,
+            scale=args.scale,
         )  # fmt: skip
         if args.naive:
             from slipstream.bench.naive import bench_naive

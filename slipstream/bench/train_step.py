@@ -26,7 +26,7 @@ import torch
 from slipstream.algo.losses import SpecLoss
 from slipstream.batching.planner import quadratic_scale_for
 from slipstream.batching.records import PackedBatch
-from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, synthetic_batch
+from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, scaled, synthetic_batch
 from slipstream.config.schema import ActorSection, parse_backend
 from slipstream.engine.distributed import rank as dist_rank
 from slipstream.engine.distributed import world_size
@@ -204,8 +204,12 @@ def bench_train_step(
     with_entropy: bool = False,
     seed: int = 0,
     master_dtype: str = "float32",
+    scale: int = 1,
 ) -> dict:
     """Time one actor update and one log-prob pass of the workload; returns a JSON-ready dict.
+
+    `scale=k` runs k times the workload's prompts (same length distribution), so that k ranks
+    each get the work of one (weak scaling under torchrun).
 
     `master_dtype="bfloat16"` holds parameters, gradients and AdamW state in bf16 (8 B/param,
     stochastically rounded updates; engine/optim.py) instead of fp32 (16 B/param).
@@ -213,6 +217,7 @@ def bench_train_step(
     w = get_workload(workload, preset) if isinstance(workload, str) else workload
     if preset is not None and preset != w.preset:
         w = w.with_preset(preset)
+    w = scaled(w, scale)
     device = resolve_device(device, backend)
     cfg = get_preset(w.preset)
     model = _build_model(cfg, device, seed)

@@ -11,6 +11,7 @@ tokens (shuffled), 155,648 real tokens in all.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -66,6 +67,13 @@ class Workload:
             group_size=self.group_size, prompt_len=self.prompt_len, response_len=self.response_len,
             response_dist=self.response_dist, seed=self.seed,
         )  # fmt: skip
+
+
+def scaled(w: Workload, k: int) -> Workload:
+    """`w` with k times its prompts (the same length distribution): W1's per-GPU work on k GPUs."""
+    if k < 1:
+        raise ValueError(f"scale must be >= 1, got {k}")
+    return w if k == 1 else dataclasses.replace(w, name=f"{w.name}x{k}", num_prompts=w.num_prompts * k)
 
 
 def make_lengths(w: Workload) -> list[tuple[int, int]]:
