@@ -10,7 +10,7 @@ import torch
 from slipstream.bench import naive
 from slipstream.bench.cli import add_bench_parser
 from slipstream.bench.train_step import bench_train_step, logprob_memory_check, memory_curve
-from slipstream.bench.workloads import W1_TOTAL_TOKENS, WORKLOADS, get_workload, make_lengths, synthetic_batch
+from slipstream.bench.workloads import W1_TOTAL_TOKENS, WORKLOADS, get_workload, make_lengths, scaled, synthetic_batch
 from slipstream.models.presets import get_preset
 
 
@@ -37,6 +37,20 @@ def test_w1_lengths_total_and_determinism():
     assert get_workload("W1", preset="qwen3-0.6b").preset == "qwen3-0.6b"
     with pytest.raises(ValueError, match="unknown workload"):
         get_workload("W9")
+
+
+def test_scaled_workload_keeps_the_per_rank_distribution():
+    """--scale K: K x the sequences, the same spread of lengths (W1's per-GPU work on K GPUs)."""
+    w4 = scaled(WORKLOADS["W1"], 4)
+    assert (w4.name, w4.num_seqs) == ("W1x4", 256)
+    lengths = make_lengths(w4)
+    assert all(p == 512 for p, _ in lengths)
+    tokens = sum(p + r for p, r in lengths)
+    assert abs(tokens / 4 - W1_TOTAL_TOKENS) < 0.001 * W1_TOTAL_TOKENS
+    assert min(r for _, r in lengths) == 256 and max(r for _, r in lengths) == 3584
+    assert scaled(WORKLOADS["W1"], 1) is WORKLOADS["W1"]
+    with pytest.raises(ValueError, match="scale"):
+        scaled(WORKLOADS["W1"], 0)
 
 
 def test_synthetic_batch_shapes_and_masks():
@@ -183,8 +197,9 @@ def test_cli_parser():
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
         "bench train-step --workload W1 --backend fsdp --max-tokens-per-mb 32768 --ac selective --compile "
-        "--repeats 3 --naive --memory-curve 16384,32768 --out r.json".split()
+        "--repeats 3 --naive --memory-curve 16384,32768 --out r.json --scale 2 --master-dtype bfloat16".split()
     )
+    assert args.scale == 2 and args.master_dtype == "bfloat16"
     assert (args.workload, args.backend, args.max_tokens_per_mb, args.ac) == ("W1", "fsdp", 32768, "selective")
     assert args.compile and args.naive and args.repeats == 3
     assert args.memory_curve == [16384, 32768] and str(args.out) == "r.json"
