@@ -71,7 +71,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
         f"- Commit: `{env.get('git_commit')}`; recorded {env.get('time')}",
         f"- Command: `{env.get('command')}`",
         f"- Held constant: mode {held['mode']}, dtype {held['dtype']}, recompute {held['recompute']}, slipstream "
-        f"micro-batch budget {held['max_tokens_per_mb']} tokens, compile {held['compile']}, warm-up {held['warmup']} "
+        f"micro-batch budget {held['max_tokens_per_mb']} tokens, compile {held['compile']}, slipstream fsdp master "
+        f"weights {held.get('master_dtype', 'float32')}, warm-up {held['warmup']} "
         f"+ {held['repeats']} timed repeats (median, min-max); TRL per_device_train_batch_size "
         f"{held['peers']['trl']['per_device_train_batch_size']}, loss_type {held['peers']['trl']['loss_type']}",
         f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (DESIGN.md); MFU against "

@@ -132,6 +132,8 @@ class FSDPEngine(LocalEngine):
         return all_reduce_(values)
 
     def _clip_grad_norm(self, max_norm: float) -> float:
+        if self.master_dtype != torch.float32:
+            return self._clip_low_precision_grads(max_norm)
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         # Sharded grads give a partial norm per rank; full_tensor() reduces it to the global one

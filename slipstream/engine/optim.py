@@ -13,10 +13,17 @@ small updates survive in expectation.
 Stochastic rounding of an fp32 `x` to bf16: add 16 uniformly random bits to the low half of
 x's bit pattern and truncate it. The low 16 bits are exactly what bf16 drops, and the carry
 into the upper half happens with probability (low bits) / 2^16. On the sign-magnitude bit
-pattern this rounds the magnitude, so the sign never flips and zero stays zero.
+pattern this rounds the magnitude, so the sign never flips and zero stays zero; NaNs are
+passed through unchanged (the carry could turn a NaN pattern into inf or zero).
 
-Random bits come from a generator seeded from (seed, step, rank) at every step: a run resumed
-from a checkpoint draws the same bits as one that never stopped, without storing RNG state.
+Random bits come from a generator seeded at every step from (seed, optimizer step, rank); the
+optimizer step is kept in the param group, so it is saved with the optimizer and a resumed run
+draws the same bits as one that never stopped. The engines use seed 0: the rounding noise only
+has to be independent of the values, not different between runs.
+
+Gradients are bf16 too: the micro-batches of a step accumulate into them in bf16 (as TRL's
+bf16 training does), a relative error of a few 1e-3 on the summed gradient. The gradient norm
+used for clipping and logging is computed in fp32 (engine/local.py).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = x.contiguous().view(torch.int32) + noise
     # After the mask the value is exactly representable in bf16, so the cast does not round again.
-    return bits.bitwise_and_(_HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+    rounded = bits.bitwise_and_(_HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+    return torch.where(x.isnan(), x.to(torch.bfloat16), rounded)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +75,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         seed: int = 0,
         rank: int = 0,
     ) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        # sr_step: optimizer steps taken (seeds the rounding; in the param group so it is checkpointed)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, sr_step=0)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -78,6 +87,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device, step: int) -> torch.Generator:
+        """The device's generator, seeded for this (seed, step, rank) on its first use in a step."""
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
@@ -91,8 +101,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        seeded: set[torch.device] = set()
-        for group in self.param_groups:
+        seeded: set[tuple[int, torch.device]] = set()
+        for group_index, group in enumerate(self.param_groups):
+            group["sr_step"] = group.get("sr_step", 0) + 1  # absent in a state dict saved by torch's AdamW
+            stream = group["sr_step"] * len(self.param_groups) + group_index
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
@@ -107,9 +119,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 param, grad = _local(p), _local(p.grad)
                 if param.numel() == 0:
                     continue
-                if param.device not in seeded:  # one stream per device and step, over all parameters
-                    self._generator(param.device, step)
-                    seeded.add(param.device)
+                if (group_index, param.device) not in seeded:  # one stream per group, device and step
+                    self._generator(param.device, stream)
+                    seeded.add((group_index, param.device))
                 gen = self._generators[param.device]
                 bias1, bias2 = 1 - beta1**step, 1 - beta2**step
                 flat = [t.view(-1) for t in (param, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]))]

@@ -43,7 +43,8 @@ def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
     """FSDP2 policy: params all-gathered in `compute_dtype`, gradients reduced in fp32.
 
     The sharded parameters (and so AdamW's state) are the master weights: fp32 by default,
-    bf16 under `actor.master_dtype=bfloat16` (then the reduced gradients are stored in bf16).
+    bf16 under `actor.master_dtype=bfloat16`: then each micro-batch's gradient is reduced in fp32
+    but stored, and summed over the micro-batches of a step, in bf16 (engine/optim.py).
     """
     if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported compute dtype {compute_dtype}; expected float32, bfloat16 or float16")

@@ -396,3 +396,5 @@ def test_bf16_master_cell_runs_and_says_so(tmp_path):
     assert "bf16 state (stochastic rounding)" in fsdp["fairness"]["optimizer"]
     assert "fp32 state" in mega["fairness"]["optimizer"]
     assert fsdp["held_constant"]["master_dtype"] == "bfloat16"
+    report = write_matrix_report(tmp_path / "results.jsonl", tmp_path)["markdown"].read_text()
+    assert "slipstream fsdp master weights bfloat16" in report

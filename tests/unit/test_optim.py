@@ -37,7 +37,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     # the mean of the draws is the fp32 value: the probability of rounding away from zero is the
     # distance from the lower neighbour, relative to the gap (standard error sqrt(p(1-p)/draws) * gap)
     gap = (high - low).abs()
-    assert (rounded.mean(0) - values.double()).abs().max() <= (4 * 0.5 / draws**0.5 * gap).max()
+    assert ((rounded.mean(0) - values.double()).abs() <= 4 * 0.5 / draws**0.5 * gap).all()  # per value
     # both neighbours are drawn: round-to-nearest would give one of them every time
     assert ((rounded == low).any(0) & (rounded == high).any(0)).all()
 
@@ -47,7 +47,11 @@ def test_stochastic_rounding_keeps_representable_values_and_specials():
     out = stochastic_round_to_bf16(exact, torch.Generator().manual_seed(0))
     assert out.dtype == torch.bfloat16
     assert torch.equal(out.float(), exact)
-    assert stochastic_round_to_bf16(torch.tensor([float("nan")])).isnan().all()
+    # every NaN bit pattern stays NaN (adding the noise could carry it into inf or zero)
+    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF, 0x7F800001, -1, -0x7FFFFF], dtype=torch.int32).view(torch.float32)
+    assert nans.isnan().all()
+    for seed in range(5):
+        assert stochastic_round_to_bf16(nans, torch.Generator().manual_seed(seed)).isnan().all()
     with pytest.raises(TypeError, match="float32"):
         stochastic_round_to_bf16(torch.ones(2, dtype=torch.float64))
 
@@ -102,6 +106,33 @@ def test_matches_float64_adamw_when_updates_are_large(weight_decay):
     # bias correction or a wrong beta scales it by ~0.9 here)
     d_ref, d_got = ref - p0.double(), got - p0.double()
     assert float((d_got * d_ref).sum() / (d_ref * d_ref).sum()) == pytest.approx(1.0, abs=0.01)
+
+
+def test_eps_enters_like_torch_when_the_second_moment_is_tiny():
+    """Gradients ~1e-4 with eps 1e-4: sqrt(v) ~ eps, so where eps enters changes the update."""
+    gen = torch.Generator().manual_seed(3)
+    n, steps = 4096, 6
+    p0 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    grads = [(1e-4 * torch.randn(n, generator=gen)).to(torch.bfloat16) for _ in range(steps)]
+    kw = dict(lr=3e-2, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.0)
+    ref = _adam_steps(torch.optim.AdamW, p0.double(), [g.double() for g in grads], **kw)
+    got = _adam_steps(StochasticRoundingAdamW, p0, grads, **kw).double()
+    d_ref, d_got = ref - p0.double(), got - p0.double()
+    assert float((d_got * d_ref).sum() / (d_ref * d_ref).sum()) == pytest.approx(1.0, abs=0.02)
+
+
+def test_second_moment_keeps_its_small_increments():
+    """beta2 = 0.999: late increments of exp_avg_sq are ~1e-3 relative, below bf16's half step."""
+    n, steps = 8192, 1500
+    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+    opt = StochasticRoundingAdamW([p], lr=1e-6, betas=(0.9, 0.999))
+    g = torch.full((n,), 0.5, dtype=torch.bfloat16)
+    for _ in range(steps):
+        p.grad = g
+        opt.step()
+    want = (1 - 0.999**steps) * 0.25  # exact exp_avg_sq under a constant gradient
+    got = float(opt.state[p]["exp_avg_sq"].double().mean())
+    assert got == pytest.approx(want, rel=0.01)  # round-to-nearest stalls near 0.4 x 0.25
 
 
 def test_state_is_bf16_and_resumes_with_the_same_random_bits():
@@ -204,7 +235,22 @@ def test_fsdp_bf16_master_matches_local(pg):
     got, want = run_steps(fsdp), run_steps(local)
     for g, w in zip(got, want, strict=True):
         assert g["actor/pg_loss"] == pytest.approx(w["actor/pg_loss"], rel=1e-3, abs=1e-5)
+        assert g["actor/grad_norm"] == pytest.approx(w["actor/grad_norm"], rel=1e-3)
     assert_weights_close(dict(fsdp.export_weights()), dict(local.export_weights()), atol=2e-2)
+
+
+def test_bf16_grad_norm_and_clipping_are_fp32(pg):
+    """The logged norm and the clip factor come from an fp32 sum of squares, not a bf16 result."""
+    for cls in (LocalEngine, FSDPEngine):
+        engine = cls(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
+        mbs, _ = local_micro_batches(BATCHES[0](), CAP)
+        engine.forward_backward(mbs, LOSSES[0], max_response_len=16)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in engine.model.parameters()]
+        want = float(torch.cat([g.double().flatten() for g in grads]).norm())
+        got = engine._clip_grad_norm(0.5 * want)
+        assert got == pytest.approx(want, rel=1e-6)  # a bf16 result would be off by up to 4e-3
+        clipped = float(torch.cat([g.double().flatten() for g in grads]).norm())
+        assert clipped == pytest.approx(0.5 * want, rel=4e-3)  # bf16 gradients after the multiply
 
 
 def test_fsdp_bf16_master_save_load_resumes_exactly(pg, tmp_path):
