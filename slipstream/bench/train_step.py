@@ -271,7 +271,7 @@ def bench_train_step(
         "env": env_info(),
     }
     result["metrics"] = perf_metrics(phases)
-    del engine, model
+    engine = model = None  # free before _free(); closures above read these names
     _free(device)
     return result
 
@@ -342,7 +342,7 @@ def memory_curve(
         "dtype": str(dtype).removeprefix("torch."), "activation_checkpointing": activation_checkpointing,
         "master_dtype": master_dtype, "points": points, "largest_fitting_tokens": max(fits) if fits else None, "env": env_info(),
     }  # fmt: skip
-    del engine, model
+    engine = model = None  # free before _free(); closures above read these names
     _free(device)
     return result
 
@@ -389,6 +389,6 @@ def logprob_memory_check(
         "naive_logits_fp32_gib": logits_fp32 / _GIB,
         "extra_peak_gib": (peak - base) / _GIB if peak is not None else None,
     }  # fmt: skip
-    del hidden, weight, targets, out
+    hidden = weight = targets = out = None  # free before _free()
     _free(device)
     return result

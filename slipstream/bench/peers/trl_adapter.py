@@ -212,7 +212,7 @@ def bench_trl(
         )
         args = trainer.args
         attn = trainer.model.config._attn_implementation
-        del trainer, model
+        trainer = model = None  # free before _free(); the lambdas above read these names
     ts._free(device)
 
     lens = batch.seq_lens()
