@@ -75,6 +75,11 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         if barrier:
             barrier()  # the directory exists before any rank writes
+            if not tmp.is_dir():
+                raise RuntimeError(
+                    f"rank {rank} cannot see {tmp}, made by rank 0: trainer.run_dir must be on a filesystem shared "
+                    "by all ranks"
+                )
         write(tmp)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / trainer_file(rank))
         if barrier:

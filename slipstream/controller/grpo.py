@@ -30,7 +30,7 @@ from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples, scatter_per_token, select
 from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
-from slipstream.checkpoint.manager import CheckpointManager
+from slipstream.checkpoint.manager import CheckpointManager, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
@@ -141,7 +141,8 @@ class RLTrainer:
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
         )
         self.step_num = 0
-        latest = self.checkpoints.latest()
+        self._saved_step: int | None = None
+        latest = self._agreed_latest_checkpoint()
         if latest is not None and not cfg.trainer.resume:
             raise ValueError(
                 f"trainer.run_dir={cfg.trainer.run_dir!r} already holds checkpoints (newest {latest.name}) and "
@@ -163,7 +164,9 @@ class RLTrainer:
         Ctrl-C or SIGTERM asks for a stop: the current step finishes (so minibatch updates, the
         data position and the sampler RNG stay consistent), a checkpoint is saved, and
         KeyboardInterrupt is raised. A second Ctrl-C aborts at once without saving; the last
-        checkpoint on disk is then the resume point.
+        checkpoint on disk is then the resume point. Under torchrun the signal reaches the
+        launcher, which forwards it once and kills the ranks after its `--shutdown-timeout`
+        (30 s by default): give it the length of a step plus a save for the same guarantee.
         """
         stop_requested = False
 
@@ -183,6 +186,7 @@ class RLTrainer:
                 every = self.cfg.trainer.save_every
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
                     self.save()
+                    self._saved_step = self.step_num
         except KeyboardInterrupt:
             log.warning("aborted during step %d without saving; the last checkpoint is the resume point",
                         self.step_num + 1)
@@ -197,15 +201,37 @@ class RLTrainer:
                 signal.signal(sig, handler)
             self.logger.close()
             self.rewards.close()
-        self.save()
+        if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
+            self.save()
         if self._any_rank(stop_requested):
             raise KeyboardInterrupt
         if self.cfg.trainer.export_hf:
-            # every rank iterates (the fsdp engine gathers each tensor); rank 0 writes
-            weights = {hf.from_hf_name(name): t for name, t in self.engine.export_weights()}
+            # every rank iterates (the fsdp engine gathers each tensor); rank 0 keeps them, on the CPU
+            weights = {}
+            for name, tensor in self.engine.export_weights():
+                if self.rank == 0:
+                    weights[hf.from_hf_name(name)] = tensor.cpu()
             if self.rank == 0:
                 out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
                 log.info("exported the policy as an HF checkpoint to %s", out)
+
+    def _agreed_latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint, as rank 0 sees it, on every rank; every rank must find its own trainer file."""
+        latest = self.checkpoints.latest()
+        if self.world == 1:
+            return latest
+        choice = [str(latest) if latest is not None else None]
+        torch.distributed.broadcast_object_list(choice, src=0)
+        latest = Path(choice[0]) if choice[0] is not None else None
+        if latest is not None:
+            missing = all_reduce_(torch.tensor([int(not (latest / trainer_file(self.rank)).exists())]))
+            if int(missing[0]):
+                raise ValueError(
+                    f"{latest} was saved by a run with fewer processes ({int(missing[0])} of {self.world} ranks find "
+                    "no trainer state of their own there, or trainer.run_dir is not shared by all ranks); resume "
+                    "with the same number of processes or start a new trainer.run_dir"
+                )
+        return latest
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a stop request reaches ranks at different moments)."""
@@ -251,7 +277,7 @@ class RLTrainer:
                 self.model_cfg,
                 seq_lens=batch.seq_lens(),
                 response_lens=[len(s.response_ids) for s in samples],
-                times=timer.times,
+                times=self._slowest_rollout(timer.times),
                 train_passes=cfg.algo.ppo_epochs,
                 world_size=self.world,
                 peak_flops=self.peak_flops,
@@ -267,6 +293,14 @@ class RLTrainer:
             replace(s, response_text=t, reward=float(r), reward_info=info)
             for s, t, (r, info) in zip(samples, texts, scored)
         ]
+
+    def _slowest_rollout(self, times: dict[str, float]) -> dict[str, float]:
+        """Phase times for the throughput metrics: with several ranks the rollout phase is the slowest rank's
+        (the others wait for it in gather_samples), so rollout tokens/s per GPU is not overstated."""
+        if self.world > 1 and "rollout" in times:
+            slowest = all_reduce_(torch.tensor([times["rollout"]], dtype=torch.float64), op=torch.distributed.ReduceOp.MAX)
+            times = {**times, "rollout": float(slowest[0])}
+        return times
 
     def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
         """Every rank's scored samples on every rank, in group order (the one-process order)."""

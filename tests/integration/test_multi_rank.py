@@ -26,7 +26,26 @@ SMALL = (
 SAME_ON_EVERY_RANK = ("reward/", "rollout/", "actor/")
 
 
-def _worker(rank: int, world: int, port: int, run_dir: str, steps: int, extra: tuple[str, ...], out: str) -> None:
+def _sample_each_prompt_alone(trainer: RLTrainer) -> None:
+    """Make generation independent of how prompts are split over ranks: each prompt is generated on
+    its own with the sampler seeded from (policy version, the prompt's index in the step)."""
+    rollout, generate = trainer.rollout, trainer.rollout.generate
+
+    def per_prompt(prompts, sampling):
+        first = trainer.dp_rank * len(prompts)
+        out = []
+        for i, prompt in enumerate(prompts):
+            rollout.generator.manual_seed(7919 * rollout.version + first + i)
+            out.extend(generate([prompt], sampling))
+        return out
+
+    rollout.generate = per_prompt
+
+
+def _worker(
+    rank: int, world: int, port: int, run_dir: str, steps: int, extra: tuple[str, ...], out: str,
+    per_prompt: bool = False,
+) -> None:  # fmt: skip
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
@@ -35,6 +54,8 @@ def _worker(rank: int, world: int, port: int, run_dir: str, steps: int, extra: t
             "actor.backend=fsdp", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", *extra,
         ])  # fmt: skip
         trainer = RLTrainer(cfg)
+        if per_prompt:
+            _sample_each_prompt_alone(trainer)
         seen: list[dict] = []
         log = trainer.logger.log
         trainer.logger.log = lambda step, metrics: (seen.append({"step": step, **metrics}), log(step, metrics))
@@ -45,11 +66,14 @@ def _worker(rank: int, world: int, port: int, run_dir: str, steps: int, extra: t
         destroy_distributed()
 
 
-def _run(tmp_path: Path, name: str, steps: int, extra: tuple[str, ...] = SMALL) -> list[dict]:
+def _run(
+    tmp_path: Path, name: str, steps: int, extra: tuple[str, ...] = SMALL, world: int = 2, per_prompt: bool = False
+) -> list[dict]:  # fmt: skip
     out = tmp_path / f"{name}-out"
     out.mkdir(exist_ok=True)
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path / name), steps, extra, str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    args = (world, free_port(), str(tmp_path / name), steps, extra, str(out), per_prompt)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def _agreed(metrics: dict) -> dict:
@@ -74,6 +98,31 @@ def test_two_ranks_agree_and_rank0_writes(tmp_path):
     assert (run / "hf" / "config.json").exists()
     # the ranks generated different groups: four distinct prompts' worth of samples per step
     assert r0["metrics"][0]["rollout/response_len_mean"] == 1.0
+
+
+REWARD = Path(__file__).resolve().parents[1] / "unit" / "rewards_fixtures.py"
+# Groups of 3 (odd: the planner's shares differ between the log-prob pass and the minibatches), 3-token
+# responses, varied rewards, KL to the reference, 2 minibatches x 2 epochs, small micro-batches.
+EQUIV = (
+    "rollout.prompts_per_step=8", "rollout.group_size=3", "rollout.max_new_tokens=3", "algo.kl_coef=0.05",
+    "algo.ppo_n_minibatches=2", "algo.ppo_epochs=2", "actor.max_tokens_per_mb=16", "trainer.tensorboard=false",
+    "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]",
+)  # fmt: skip
+
+
+def test_two_ranks_train_like_one_process(tmp_path):
+    """With the same samples (each prompt generated alone from a seed of its own), 2 ranks take the steps
+    1 process takes: gathered samples in group order, the other rank's old / ref log-probs, the
+    global loss denominators and the summed gradients all have to be right for this to hold."""
+    (one,) = _run(tmp_path, "one", 3, EQUIV, world=1, per_prompt=True)
+    two, _ = _run(tmp_path, "two", 3, EQUIV, world=2, per_prompt=True)
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        keys = [k for k in _agreed(a) if k != "actor/num_micro_batches"]  # that one is per rank
+        assert a["reward/std"] > 0 and a["actor/kl"] != 0  # the test exercises advantages and the KL term
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    for name in one["weights"]:
+        torch.testing.assert_close(two["weights"][name], one["weights"][name], atol=1e-5, rtol=0)
 
 
 def test_two_ranks_resume_exactly(tmp_path):
@@ -102,3 +151,10 @@ def test_two_rank_config_errors(tmp_path, override, message):
     with pytest.raises(Exception) as err:
         _run(tmp_path, "bad", 1, ("trainer.tensorboard=false", override))
     assert message in str(err.value)
+
+
+def test_two_ranks_refuse_a_one_process_checkpoint(tmp_path):
+    _run(tmp_path, "run", 2, SMALL, world=1)
+    with pytest.raises(Exception) as err:
+        _run(tmp_path, "run", 4, SMALL, world=2)
+    assert "saved by a run with fewer processes" in str(err.value)

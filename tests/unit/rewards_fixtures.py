@@ -36,3 +36,8 @@ def misbehaving_reward(completion: str, answer: str | None, prompt: str) -> floa
 def always_raising_reward(completion: str, answer: str | None, prompt: str) -> float:
     """Raises on every call (used by the end-to-end failure test)."""
     raise RuntimeError("this reward always fails")
+
+
+def char_code_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """A deterministic score in [0, 1) that varies between completions (for loop-equivalence tests)."""
+    return float(sum(map(ord, completion)) % 7) / 7.0
