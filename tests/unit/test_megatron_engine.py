@@ -262,6 +262,10 @@ def test_save_load_resumes_exactly(tmp_path: Path):
     assert got == want
     got_w, want_w = dict(resumed.export_weights()), dict(first.export_weights())
     assert_weights_close(got_w, want_w, atol=0.0)
+    # a checkpoint written by another number of ranks is refused with the layouts named
+    (first._rank_file(tmp_path).parent / "rank00001.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="megatron checkpoint of 2 ranks; this engine has 1"):
+        resumed.load(tmp_path)
 
 
 # ---------------------------------------------------------------- backend selection

@@ -456,8 +456,11 @@ class MegatronEngine:
         with self._compat():
             self._save(path)
 
+    def _layout(self) -> dict[str, int]:
+        return {"world": dist.get_world_size(), "dp": self.dp_size, "tp": self.tp_size}
+
     def _save(self, path: Path) -> None:
-        state = {"model": self.gpt.state_dict()}
+        state = {"model": self.gpt.state_dict(), "layout": self._layout()}
         if self.optimizer is not None:
             inner = self._inner_optimizers()
             state["optimizer"] = [opt.state_dict() for opt in inner]
@@ -468,11 +471,22 @@ class MegatronEngine:
             dist.barrier()
 
     def load(self, directory: Path) -> None:
+        path = self._rank_file(directory)
+        saved_ranks = len(list(path.parent.glob("rank*.pt")))
+        if not path.exists() or saved_ranks != dist.get_world_size():
+            raise ValueError(
+                f"{directory} holds a megatron checkpoint of {saved_ranks} ranks; this engine has "
+                f"{dist.get_world_size()} (dp {self.dp_size}, tp {self.tp_size}): megatron checkpoints restore only "
+                "on the layout that saved them"
+            )
         with self._compat():
-            self._load(self._rank_file(directory))
+            self._load(path)
 
     def _load(self, path: Path) -> None:
         state = torch.load(path, map_location=self.device, weights_only=True)
+        saved = state.get("layout")
+        if saved is not None and saved != self._layout():
+            raise ValueError(f"megatron checkpoint layout {saved} differs from this engine's {self._layout()}")
         provider.load_megatron_state_dict(self.gpt, state["model"])
         if self.optimizer is None:
             return
