@@ -80,7 +80,7 @@ class RLTrainer:
             ref_model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         self.engine = build_engine(model, self.device, compute_dtype, temperature, cfg.actor)
         self.device = self.engine.device
-        self.dp_rank, self.dp_size = getattr(self.engine, "dp_rank", 0), getattr(self.engine, "dp_size", 1)
+        self.dp_rank, self.dp_size = self.engine.dp_rank, self.engine.dp_size
         if self.dp_size != self.world:
             raise ValueError(
                 f"slipstream train over several processes supports data parallelism only (got {self.world} "

@@ -41,6 +41,10 @@ class LossFn(Protocol):
 
 class TrainEngine(Protocol):
     device: torch.device
+    dp_rank: int
+    """This process's data-parallel rank: which share of a minibatch's plan it trains on."""
+    dp_size: int
+    """Data-parallel ranks (1 in one process)."""
 
     def forward_logprobs(
         self, micro_batches: Sequence[PackedBatch], *, with_entropy: bool = False

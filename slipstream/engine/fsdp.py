@@ -115,9 +115,6 @@ class FSDPEngine(LocalEngine):
     def _fused_optimizer(self) -> bool:
         return self.device.type == "cuda" and not self.offload_params
 
-    def _rank(self) -> int:
-        return self.rank
-
     def _autocast(self):
         # FSDP's MixedPrecisionPolicy already gathers parameters in the compute dtype.
         return contextlib.nullcontext()

@@ -62,6 +62,10 @@ class LocalEngine:
     the same training step.
     """
 
+    dp_rank = 0
+    """This process's data-parallel rank and the number of them (one process here)."""
+    dp_size = 1
+
     def __init__(
         self,
         model: Transformer,
@@ -84,7 +88,7 @@ class LocalEngine:
         if actor is None:
             self.model.eval()
             return
-        self.optimizer = build_optimizer(self.model.parameters(), actor, fused=self._fused_optimizer(), rank=self._rank())
+        self.optimizer = build_optimizer(self.model.parameters(), actor, fused=self._fused_optimizer(), rank=self.dp_rank)
         warmup = max(actor.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -94,10 +98,6 @@ class LocalEngine:
     def _place_model(self, model: Transformer) -> Transformer:
         """Put the master weights (fp32, or bf16 with `actor.master_dtype`) where training happens."""
         return model.to(device=self.device, dtype=self.master_dtype)
-
-    def _rank(self) -> int:
-        """This process's rank (seeds the stochastic rounding of bf16 master weights)."""
-        return 0
 
     def _fused_optimizer(self) -> bool:
         """Fused AdamW kernels when the parameters live on the GPU."""
@@ -124,10 +124,10 @@ class LocalEngine:
         the clip factor to bf16 (~0.4%). Each local shard's sum of squares is taken in fp32 and
         summed over ranks (FSDP shards are disjoint), so the norm is the global one.
         """
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in local]).sum()
-        total = self._sum_over_ranks(squares.reshape(1))[0].sqrt()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        squares = sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in local), torch.zeros(()))
+        total = self._sum_over_ranks(squares.reshape(1).to(self.device))[0].sqrt()
         if math.isfinite(max_norm) and local:
             # the factor stays an fp32 0-dim tensor: bf16 * fp32 scalar rounds once, in the product
             torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0))
