@@ -113,3 +113,8 @@ class CheckpointManager:
 def trainer_file(rank: int) -> str:
     """Name of a rank's trainer state in a checkpoint directory."""
     return "trainer.pt" if rank == 0 else f"trainer_rank{rank}.pt"
+
+
+def saved_rank_count(directory: Path) -> int:
+    """How many processes saved the checkpoint in `directory` (one trainer file each)."""
+    return len(list(Path(directory).glob("trainer*.pt")))

@@ -30,7 +30,7 @@ from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples, scatter_per_token, select
 from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
-from slipstream.checkpoint.manager import CheckpointManager, trainer_file
+from slipstream.checkpoint.manager import CheckpointManager, saved_rank_count, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
@@ -218,6 +218,12 @@ class RLTrainer:
     def _agreed_latest_checkpoint(self) -> Path | None:
         """The newest checkpoint, as rank 0 sees it, on every rank; every rank must find its own trainer file."""
         latest = self.checkpoints.latest()
+        if latest is not None and self.rank == 0:
+            saved_ranks = saved_rank_count(latest)
+            if saved_ranks > self.world:
+                log.warning("%s was saved by %d processes, this run has %d: the samplers of ranks %d.. start from "
+                            "their saved states no more (their share of the groups moves to other ranks)",
+                            latest, saved_ranks, self.world, self.world)
         if self.world == 1:
             return latest
         choice = [str(latest) if latest is not None else None]

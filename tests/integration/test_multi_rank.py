@@ -158,3 +158,10 @@ def test_two_ranks_refuse_a_one_process_checkpoint(tmp_path):
     with pytest.raises(Exception) as err:
         _run(tmp_path, "run", 4, SMALL, world=2)
     assert "saved by a run with fewer processes" in str(err.value)
+
+
+def test_one_process_resumes_a_two_rank_checkpoint(tmp_path):
+    """Fewer processes than saved: the engine reshards (DCP) and rank 0's sampler goes on (a warning names the rest)."""
+    _run(tmp_path, "run", 2, SMALL, world=2)
+    (resumed,) = _run(tmp_path, "run", 4, SMALL, world=1)
+    assert [m["step"] for m in resumed["metrics"]] == [3, 4]

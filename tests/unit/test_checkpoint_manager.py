@@ -36,3 +36,11 @@ def test_resaving_a_step_replaces_it(tmp_path):
     assert manager.steps() == [3]
     assert (tmp_path / "step_000003" / "engine.pt").read_bytes() == b"second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"]
+
+
+def test_saved_rank_count(tmp_path):
+    from slipstream.checkpoint.manager import saved_rank_count, trainer_file
+
+    for rank in range(3):
+        (tmp_path / trainer_file(rank)).write_bytes(b"")
+    assert saved_rank_count(tmp_path) == 3
