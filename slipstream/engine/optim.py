@@ -45,10 +45,45 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic rounding takes a float32 tensor, got {x.dtype}")
     noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits = x.contiguous().view(torch.int32) + noise
+    return _round_with_bits(x.contiguous(), noise)
+
+
+def _round_with_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 `x` with 16 random bits per element (int32 values in [0, 2^16))."""
+    bits = x.view(torch.int32) + noise
     # After the mask the value is exactly representable in bf16, so the cast does not round again.
-    rounded = bits.bitwise_and_(_HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+    rounded = (bits & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
     return torch.where(x.isnan(), x.to(torch.bfloat16), rounded)
+
+
+def _adamw_update(p, g, m, v, noise, hp) -> None:
+    """One AdamW update of a chunk in fp32, written back in place to bf16 with stochastic rounding.
+
+    p, g, m, v: bf16 chunks (parameter, gradient, exp_avg, exp_avg_sq); noise: int64 with 48
+    random bits per element (16 for each of the three roundings); hp: fp32 tensor
+    [lr, beta1, beta2, eps, weight_decay, 1 - beta1^t, 1 - beta2^t]. A pure function of tensors, so
+    torch.compile fuses it into one kernel and changing hyperparameters never recompile it.
+    """
+    lr, beta1, beta2, eps, wd, bias1, bias2 = hp.unbind()
+    g32 = g.float()
+    m32 = m.float() * beta1 + g32 * (1 - beta1)
+    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
+    p32 = p.float() * (1 - lr * wd) - (lr / bias1) * m32 / ((v32 / bias2).sqrt() + eps)
+    low16 = [((noise >> shift) & (_LOW_BITS - 1)).to(torch.int32) for shift in (0, 16, 32)]
+    p.copy_(_round_with_bits(p32, low16[0]))
+    m.copy_(_round_with_bits(m32, low16[1]))
+    v.copy_(_round_with_bits(v32, low16[2]))
+
+
+_compiled_update = None
+
+
+def _compiled_adamw_update():
+    """`_adamw_update` under torch.compile (dynamic shapes: one graph for every chunk length)."""
+    global _compiled_update
+    if _compiled_update is None:
+        _compiled_update = torch.compile(_adamw_update, dynamic=True)
+    return _compiled_update
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +109,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         *,
         seed: int = 0,
         rank: int = 0,
+        compiled: bool = False,
     ) -> None:
         # sr_step: optimizer steps taken (seeds the rounding; in the param group so it is checkpointed)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, sr_step=0)
@@ -84,6 +120,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     raise TypeError(f"StochasticRoundingAdamW keeps bf16 parameters, got one in {p.dtype}")
         self.seed = seed
         self.rank = rank
+        self.update = _compiled_adamw_update() if compiled else _adamw_update
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device, step: int) -> torch.Generator:
@@ -102,6 +139,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         seeded: set[tuple[int, torch.device]] = set()
+        hyper: dict[tuple[int, torch.device, int], torch.Tensor] = {}
         for group_index, group in enumerate(self.param_groups):
             group["sr_step"] = group.get("sr_step", 0) + 1  # absent in a state dict saved by torch's AdamW
             stream = group["sr_step"] * len(self.param_groups) + group_index
@@ -123,21 +161,15 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     self._generator(param.device, stream)
                     seeded.add((group_index, param.device))
                 gen = self._generators[param.device]
-                bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+                key = (group_index, param.device, step)
+                if key not in hyper:  # one small host-to-device copy per group, device and step
+                    values = [lr, beta1, beta2, eps, wd, 1 - beta1**step, 1 - beta2**step]
+                    hyper[key] = torch.tensor(values, dtype=torch.float32).to(param.device, non_blocking=True)
                 flat = [t.view(-1) for t in (param, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]))]
                 for start in range(0, param.numel(), CHUNK):
                     p_c, g_c, m_c, v_c = (t[start : start + CHUNK] for t in flat)
-                    g32 = g_c.float()
-                    m32 = m_c.float().lerp_(g32, 1 - beta1)
-                    v32 = v_c.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-                    p32 = p_c.float()
-                    if wd:
-                        p32.mul_(1 - lr * wd)
-                    denom = (v32 / bias2).sqrt_().add_(eps)
-                    p32.addcdiv_(m32, denom, value=-lr / bias1)
-                    p_c.copy_(stochastic_round_to_bf16(p32, gen))
-                    m_c.copy_(stochastic_round_to_bf16(m32, gen))
-                    v_c.copy_(stochastic_round_to_bf16(v32, gen))
+                    noise = torch.randint(0, 1 << 48, p_c.shape, dtype=torch.int64, device=p_c.device, generator=gen)
+                    self.update(p_c, g_c, m_c, v_c, noise, hyper[key])
         return loss
 
 
@@ -145,5 +177,6 @@ def build_optimizer(params: Iterable[torch.Tensor], actor: ActorSection, *, fuse
     """The actor's optimizer for `actor.master_dtype` (module docstring)."""
     kwargs = dict(lr=actor.lr, betas=tuple(actor.betas), eps=actor.eps, weight_decay=actor.weight_decay)
     if actor.master_dtype == "bfloat16":
-        return StochasticRoundingAdamW(params, **kwargs, rank=rank)
+        # actor.compile also compiles the update (one fused kernel per chunk instead of ~20)
+        return StochasticRoundingAdamW(params, **kwargs, rank=rank, compiled=actor.compile)
     return torch.optim.AdamW(params, **kwargs, fused=fused)

@@ -8,6 +8,7 @@ import torch
 from engine_checks import assert_weights_close
 from slipstream.config.schema import ActorSection, Config
 from slipstream.engine.factory import build_engine
+from slipstream.engine import optim as optim_module
 from slipstream.engine.optim import StochasticRoundingAdamW, build_optimizer, stochastic_round_to_bf16
 from slipstream.engine.factory import local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
@@ -163,11 +164,37 @@ def test_state_is_bf16_and_resumes_with_the_same_random_bits():
         StochasticRoundingAdamW([torch.nn.Parameter(torch.ones(2))])
 
 
+def test_compiled_update_equals_eager(monkeypatch):
+    """actor.compile's fused update (torch.compile, dynamic shapes) takes the eager steps bit for bit on the CPU,
+    through changing learning rates, several shapes and chunked parameters."""
+    monkeypatch.setattr(optim_module, "CHUNK", 1000)  # the (96, 33) parameter is cut into 4 chunks
+
+    def run(compiled: bool) -> tuple[list[torch.Tensor], StochasticRoundingAdamW]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s, generator=gen).bfloat16()) for s in ((700,), (96, 33), (5,))]
+        opt = StochasticRoundingAdamW(params, lr=1e-2, weight_decay=0.1, compiled=compiled)
+        for lr in (1e-2, 5e-3, 2e-3):
+            opt.param_groups[0]["lr"] = lr
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        return params, opt
+
+    (eager, eager_opt), (fused, fused_opt) = run(False), run(True)
+    for a, b in zip(eager, fused, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(eager_opt.state[a][key], fused_opt.state[b][key])
+
+
 def test_build_optimizer_follows_master_dtype():
     p = [torch.nn.Parameter(torch.ones(2))]
     assert type(build_optimizer(p, ActorSection(), fused=False)) is torch.optim.AdamW
     pb = [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
-    assert isinstance(build_optimizer(pb, ActorSection(master_dtype="bfloat16"), fused=False), StochasticRoundingAdamW)
+    opt = build_optimizer(pb, ActorSection(master_dtype="bfloat16"), fused=False)
+    assert isinstance(opt, StochasticRoundingAdamW) and opt.update is optim_module._adamw_update
+    compiled = build_optimizer(pb, ActorSection(master_dtype="bfloat16", compile=True), fused=False)
+    assert compiled.update is not optim_module._adamw_update  # actor.compile fuses the update too
 
 
 def test_config_rejects_bf16_master_without_bf16_compute_or_on_megatron():
