@@ -186,11 +186,16 @@ def test_checkpoint_modes_recompute_what_they_document():
     assert counts["full"]["aten.mm.default"] >= counts["none"]["aten.mm.default"] + 6 * layers
 
 
-def test_save_load_resumes_exactly(pg, tmp_path):
-    first = FSDPEngine(make_model(), CPU, torch.float32, 1.0, ACTOR)
+# bf16 master weights (engine/optim.py): the optimizer state, its step counter and the rounding stream resume too
+BF16_ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP, master_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype, actor", [(torch.float32, ACTOR), (torch.bfloat16, BF16_ACTOR)], ids=["fp32", "bf16-master"])
+def test_save_load_resumes_exactly(pg, tmp_path, dtype, actor):
+    first = FSDPEngine(make_model(), CPU, dtype, 1.0, actor)
     run_steps(first, steps=1)
     first.save(tmp_path)
-    resumed = FSDPEngine(make_model(seed=7), CPU, torch.float32, 1.0, ACTOR)
+    resumed = FSDPEngine(make_model(seed=7), CPU, dtype, 1.0, actor)
     resumed.load(tmp_path)
     # The same next minibatch on the original and on the restored engine: bit-identical.
     mbs, _ = local_micro_batches(BATCHES[1](), CAP)
@@ -200,7 +205,7 @@ def test_save_load_resumes_exactly(pg, tmp_path):
     got_w, want_w = dict(resumed.export_weights()), dict(first.export_weights())
     assert sorted(got_w) == sorted(want_w)
     for name in want_w:
-        assert torch.equal(got_w[name], want_w[name]), name
+        assert got_w[name].dtype == getattr(torch, actor.master_dtype) and torch.equal(got_w[name], want_w[name]), name
 
 
 def test_build_engine_selects_backend(pg):

@@ -13,7 +13,7 @@ from slipstream.engine.optim import StochasticRoundingAdamW, build_optimizer, st
 from slipstream.engine.factory import local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
-from test_fsdp import BATCHES, CAP, CPU, LOSSES, make_model, run_steps
+from test_fsdp import ACTOR, BATCHES, BF16_ACTOR, CAP, CPU, LOSSES, make_model, run_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -211,8 +211,6 @@ def test_config_rejects_bf16_master_without_bf16_compute_or_on_megatron():
 
 # ---------------------------------------------------------------- engines
 
-BF16_ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP, master_dtype="bfloat16")
-FP32_ACTOR = ActorSection(lr=1e-3, eps=1e-4, grad_clip=1.0, max_tokens_per_mb=CAP)
 
 
 def _training_bytes(engine) -> tuple[int, int]:
@@ -239,7 +237,7 @@ def _one_step_keep_grads(engine) -> None:
 def test_engine_holds_8_bytes_per_parameter_and_trains_like_fp32(pg, backend):
     cls = LocalEngine if backend == "local" else FSDPEngine
     bf16 = cls(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
-    fp32 = cls(make_model(), CPU, torch.bfloat16, 1.0, FP32_ACTOR)
+    fp32 = cls(make_model(), CPU, torch.bfloat16, 1.0, ACTOR)
     _one_step_keep_grads(bf16)
     _one_step_keep_grads(fp32)
     nbytes, count = _training_bytes(bf16)
@@ -278,17 +276,3 @@ def test_bf16_grad_norm_and_clipping_are_fp32(pg):
         assert got == pytest.approx(want, rel=1e-6)  # a bf16 result would be off by up to 4e-3
         clipped = float(torch.cat([g.double().flatten() for g in grads]).norm())
         assert clipped == pytest.approx(0.5 * want, rel=4e-3)  # bf16 gradients after the multiply
-
-
-def test_fsdp_bf16_master_save_load_resumes_exactly(pg, tmp_path):
-    first = FSDPEngine(make_model(), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
-    run_steps(first, steps=1)
-    first.save(tmp_path)
-    resumed = FSDPEngine(make_model(seed=7), CPU, torch.bfloat16, 1.0, BF16_ACTOR)
-    resumed.load(tmp_path)
-    mbs, _ = local_micro_batches(BATCHES[1](), CAP)
-    want = first.forward_backward(mbs, LOSSES[1], max_response_len=16) | first.optim_step()
-    got = resumed.forward_backward(mbs, LOSSES[1], max_response_len=16) | resumed.optim_step()
-    assert got == want
-    for (name, a), (_, b) in zip(resumed.export_weights(), first.export_weights(), strict=True):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
