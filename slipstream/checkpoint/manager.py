@@ -70,23 +70,20 @@ class CheckpointManager:
         """
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
+        barrier = barrier or (lambda: None)  # one process: nothing to wait for
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        if barrier:
-            barrier()  # the directory exists before any rank writes
-            if not tmp.is_dir():
-                raise RuntimeError(
-                    f"rank {rank} cannot see {tmp}, made by rank 0: trainer.run_dir must be on a filesystem shared "
-                    "by all ranks"
-                )
+        barrier()  # the directory exists before any rank writes
+        if not tmp.is_dir():
+            raise RuntimeError(
+                f"rank {rank} cannot see {tmp}, made by rank 0: trainer.run_dir must be on a filesystem shared by all ranks"
+            )
         write(tmp)
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / trainer_file(rank))
-        if barrier:
-            barrier()  # every rank's files are in place before the rename
+        barrier()  # every rank's files are in place before the rename
         if rank != 0:
-            if barrier:
-                barrier()  # ... and the rename is done before any rank goes on
+            barrier()  # ... and the rename is done before any rank goes on
             return final
         old = self.root / f"step_{step:06d}.old"
         if final.exists():  # re-saving the same step: move the old copy aside first, so a
@@ -96,8 +93,7 @@ class CheckpointManager:
         shutil.rmtree(old, ignore_errors=True)
         for old in self.steps()[: -self.keep_last]:
             shutil.rmtree(self.root / f"step_{old:06d}", ignore_errors=True)
-        if barrier:
-            barrier()
+        barrier()
         return final
 
     @staticmethod

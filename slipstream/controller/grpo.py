@@ -27,7 +27,7 @@ import torch
 
 from slipstream.algo.advantages import get_advantage_fn
 from slipstream.algo.losses import LossSpec, SpecLoss
-from slipstream.batching.packing import pack_samples, scatter_per_token, select
+from slipstream.batching.packing import pack_samples, select
 from slipstream.batching.planner import quadratic_scale_for, split_minibatches
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.checkpoint.manager import CheckpointManager, saved_rank_count, trainer_file
@@ -241,8 +241,6 @@ class RLTrainer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a stop request reaches ranks at different moments)."""
-        if self.world == 1:
-            return flag
         return bool(all_reduce_(torch.tensor([int(flag)]), op=torch.distributed.ReduceOp.MAX)[0])
 
     def step(self) -> dict[str, float]:
@@ -303,7 +301,7 @@ class RLTrainer:
     def _slowest_rollout(self, times: dict[str, float]) -> dict[str, float]:
         """Phase times for the throughput metrics: with several ranks the rollout phase is the slowest rank's
         (the others wait for it in gather_samples), so rollout tokens/s per GPU is not overstated."""
-        if self.world > 1 and "rollout" in times:
+        if "rollout" in times:  # (all_reduce_ is a no-op in one process)
             slowest = all_reduce_(torch.tensor([times["rollout"]], dtype=torch.float64), op=torch.distributed.ReduceOp.MAX)
             times = {**times, "rollout": float(slowest[0])}
         return times
@@ -322,12 +320,6 @@ class RLTrainer:
             rank=self.dp_rank, world=self.dp_size, quadratic_scale=quadratic_scale_for(self.model_cfg),
         )  # fmt: skip
 
-    def _per_token(self, values: list[torch.Tensor], ids: list[tuple[int, ...]], batch: PackedBatch) -> torch.Tensor:
-        """Per-token values of the whole batch from this rank's micro-batch results (all ranks' when several)."""
-        if self.dp_size > 1:
-            return gather_per_token(values, ids, batch)
-        return scatter_per_token(values, ids, batch)
-
     def _attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
         """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""
         updates = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs
@@ -335,11 +327,11 @@ class RLTrainer:
         if updates > 1:
             with timer.phase("old_log_probs"):
                 outs = self.engine.forward_logprobs(mbs)
-                batch = batch.with_(old_logprobs=self._per_token([o.logprobs.cpu() for o in outs], ids, batch))
+                batch = batch.with_(old_logprobs=gather_per_token([o.logprobs.cpu() for o in outs], ids, batch))
         if self.ref is not None:
             with timer.phase("ref_log_probs"):
                 outs = self.ref.forward_logprobs(mbs)
-                batch = batch.with_(ref_logprobs=self._per_token([o.logprobs.cpu() for o in outs], ids, batch))
+                batch = batch.with_(ref_logprobs=gather_per_token([o.logprobs.cpu() for o in outs], ids, batch))
         return batch
 
     def _train(self, batch: PackedBatch) -> dict[str, float]:
