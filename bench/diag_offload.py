@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from test_fsdp_gpu import ACTOR, BF16, CAP, CUDA, LOSSES, full_grads, make_batch, make_model  # noqa: E402
 
 from slipstream.engine.distributed import init_distributed  # noqa: E402
-from slipstream.engine.factory import local_micro_batches  # noqa: E402
+from slipstream.batching.shard import local_micro_batches  # noqa: E402
 from slipstream.engine.fsdp import FSDPEngine  # noqa: E402
 
 

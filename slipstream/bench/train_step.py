@@ -30,7 +30,8 @@ from slipstream.bench.workloads import Workload, batch_from_lengths, get_workloa
 from slipstream.config.schema import ActorSection, parse_backend
 from slipstream.engine.distributed import rank as dist_rank
 from slipstream.engine.distributed import world_size
-from slipstream.engine.factory import build_engine, local_micro_batches
+from slipstream.batching.shard import local_micro_batches
+from slipstream.engine.factory import build_engine
 from slipstream.engine.local import OutOfMemory
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset

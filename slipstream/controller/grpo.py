@@ -1,8 +1,10 @@
-"""The synchronous RL loop: rollout -> rewards -> advantages -> update -> weight sync.
+"""`RLTrainer`: builds the components of a run, then runs a loop over the shared stages.
 
-One `RLTrainer.step()` reads top to bottom like the data flow in docs/architecture.md. The
-algorithm (advantage estimator, loss terms, aggregation) is picked from registries when the
-trainer is built; the loop itself never branches on it or on the backend.
+The stages (controller/stages.py) carry typed records from prompts to a weight sync; the loop
+(controller/loops.py) decides their order. The algorithm (advantage estimator, loss terms,
+aggregation) is picked from registries when the trainer is built; neither the stages nor the
+loop branch on it or on the backend. The trainer owns what outlives a step: the run directory,
+signals, checkpoints, logging and the final export.
 
 Several processes (`torchrun --nproc-per-node N slipstream train ...`, actor.backend fsdp or
 megatron with data parallelism only) run the same loop: every data-parallel rank reads the same
@@ -15,42 +17,31 @@ export; checkpoints hold every rank's engine shards and trainer state.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import signal
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from slipstream.algo.advantages import get_advantage_fn
-from slipstream.algo.losses import LossSpec, SpecLoss
-from slipstream.batching.packing import pack_samples, select
-from slipstream.batching.planner import quadratic_scale_for, split_minibatches
-from slipstream.batching.records import PackedBatch, Sample
 from slipstream.checkpoint.manager import CheckpointManager, saved_rank_count, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
+from slipstream.controller.loops import SyncLoop
 from slipstream.controller.prompts import PromptSource
+from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
-from slipstream.engine.factory import build_engine, gather_per_token, local_micro_batches
-from slipstream.engine.local import OutOfMemory
+from slipstream.engine.factory import build_engine
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
-from slipstream.perf.timers import PhaseTimer, perf_metrics
-from slipstream.rewards.runner import RewardRunner
-from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.builtin import BuiltinRollout
 
 log = logging.getLogger(__name__)
 
-
-class NonFiniteLoss(RuntimeError):
-    pass
+__all__ = ["NonFiniteLoss", "RLTrainer"]
 
 
 class RLTrainer:
@@ -102,44 +93,20 @@ class RLTrainer:
             self.model_cfg, self.device, rollout_dtype, max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.rollout.seed + 1_000_003 * self.dp_rank,
         )  # fmt: skip
-        self.sampling = SamplingParams(
-            temperature=temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=setup.stop_token_ids(self.tokenizer, cfg.rollout.stop, self.model_cfg.eos_token_id),
-            n=cfg.rollout.group_size,
-        )
+        self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
         self.prompts = PromptSource(cfg, self.tokenizer)
-        self.rewards = RewardRunner(
-            list(zip(self.prompts.reward_functions(), cfg.reward.weights or [1.0] * len(self.prompts.reward_functions()))),
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-            on_error=cfg.reward.on_error,
-            error_score=cfg.reward.error_score,
-        )
-        # std_normalize is GRPO's switch (False = Dr.GRPO); the other estimators use their own default
-        adv_options = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
-        if cfg.algo.advantage != "grpo" and not cfg.algo.std_normalize:
-            log.warning("algo.std_normalize=false is ignored by algo.advantage=%s (it applies to grpo)",
-                        cfg.algo.advantage)
-        self.advantage_fn = get_advantage_fn(cfg.algo.advantage, **adv_options)
-        self.loss_fn = SpecLoss(
-            LossSpec(
-                clip_low=cfg.algo.clip_low,
-                clip_high=cfg.algo.clip_high,
-                dual_clip_c=cfg.algo.dual_clip_c,
-                kl_coef=cfg.algo.kl_coef,
-                kl_estimator=cfg.algo.kl_estimator,
-                entropy_coef=cfg.algo.entropy_coef,
-                agg_mode=cfg.algo.loss_agg,
-                behav_is_cap=cfg.algo.behav_is_cap,
-            )
-        )
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
-        self.peak_flops = device_peak_flops(
+        self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
+        peak_flops = device_peak_flops(
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
         )
+        self.stages = Stages(
+            cfg=cfg, model_cfg=self.model_cfg, tokenizer=self.tokenizer, engine=self.engine, ref=self.ref,
+            rollout=self.rollout, sampling=self.sampling, rewards=self.rewards,
+            advantage_fn=setup.build_advantage_fn(cfg), loss_fn=setup.build_loss_fn(cfg),
+            world=self.world, peak_flops=peak_flops,
+        )  # fmt: skip
+        self.loop = SyncLoop(self.stages, self.prompts)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
         self.step_num = 0
         self._saved_step: int | None = None
         latest = self._agreed_latest_checkpoint()
@@ -150,7 +117,7 @@ class RLTrainer:
             )
         if latest is not None:
             self._restore(latest)
-        self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
+        self.stages.sync_weights(version=self.step_num)
         self.logger = MetricsLogger(
             build_sinks(self.run_dir, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
                         log_every=cfg.trainer.log_every, start_step=self.step_num)
@@ -244,145 +211,15 @@ class RLTrainer:
         return bool(all_reduce_(torch.tensor([int(flag)]), op=torch.distributed.ReduceOp.MAX)[0])
 
     def step(self) -> dict[str, float]:
-        cfg = self.cfg
-        timer = PhaseTimer(self.device)
-        with timer.phase("step"):
-            # every rank reads the same prompts and generates the groups of its share of them
-            records = self.prompts.next_batch()
-            first = self.dp_rank * len(records) // self.dp_size
-            records = records[first : first + len(records) // self.dp_size]
-            with timer.phase("rollout"), _rollout_oom_advice(cfg):
-                groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling)
-            samples = [
-                replace(s, group_id=first + g, prompt_text=r.prompt_text, answer=r.answer)
-                for g, (r, group) in enumerate(zip(records, groups))
-                for s in group
-            ]
-            with timer.phase("reward"):
-                samples = self._score(samples)
-            if self.world > 1:
-                with timer.phase("gather_samples"):
-                    samples = self._gather_samples(samples)
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            group_ids = torch.tensor([s.group_id for s in samples])
-            seq_adv = self.advantage_fn(rewards, group_ids)
-            batch = pack_samples(samples, seq_adv, indices=list(range(len(samples))))
-            batch = self._attach_logprobs(batch, timer)
-            with timer.phase("actor_train"):
-                train_metrics = self._train(batch)
-            self.step_num += 1
-            with timer.phase("update_weights"):
-                self.rollout.update_weights(self.engine.export_weights(), version=self.step_num)
-        metrics = {**train_metrics, **self._sample_metrics(samples, rewards)}
-        metrics["perf/num_dp_ranks"] = float(self.dp_size)
-        metrics.update(timer.summary())
-        metrics.update(
-            perf_metrics(
-                self.model_cfg,
-                seq_lens=batch.seq_lens(),
-                response_lens=[len(s.response_ids) for s in samples],
-                times=self._slowest_rollout(timer.times),
-                train_passes=cfg.algo.ppo_epochs,
-                world_size=self.world,
-                peak_flops=self.peak_flops,
-            )
-        )
+        """One step of the loop; afterwards the policy (and the rollout's weights) are version step_num."""
+        metrics = self.loop.step(self.step_num)
+        self.step_num += 1
         return metrics
-
-    # ------------------------------------------------------------------ stages
-    def _score(self, samples: list[Sample]) -> list[Sample]:
-        texts = self.tokenizer.batch_decode([list(s.response_ids) for s in samples], skip_special_tokens=True)
-        scored = self.rewards.score([(t, s.answer, s.prompt_text) for t, s in zip(texts, samples)])
-        return [
-            replace(s, response_text=t, reward=float(r), reward_info=info)
-            for s, t, (r, info) in zip(samples, texts, scored)
-        ]
-
-    def _slowest_rollout(self, times: dict[str, float]) -> dict[str, float]:
-        """Phase times for the throughput metrics: with several ranks the rollout phase is the slowest rank's
-        (the others wait for it in gather_samples), so rollout tokens/s per GPU is not overstated."""
-        if "rollout" in times:  # (all_reduce_ is a no-op in one process)
-            slowest = all_reduce_(torch.tensor([times["rollout"]], dtype=torch.float64), op=torch.distributed.ReduceOp.MAX)
-            times = {**times, "rollout": float(slowest[0])}
-        return times
-
-    def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
-        """Every rank's scored samples on every rank, in group order (the one-process order)."""
-        gathered: list = [None] * self.world
-        torch.distributed.all_gather_object(gathered, samples)
-        return sorted((s for part in gathered for s in part), key=lambda s: s.group_id)
-
-    def _micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[tuple[int, ...]]]:
-        """This rank's token-budget micro-batches (and their sequence ids) of a plan balanced over the
-        data-parallel ranks by estimated work (linear + attention term of this model)."""
-        return local_micro_batches(
-            batch, self.cfg.actor.max_tokens_per_mb, planner=self.cfg.actor.planner,
-            rank=self.dp_rank, world=self.dp_size, quadratic_scale=quadratic_scale_for(self.model_cfg),
-        )  # fmt: skip
-
-    def _attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
-        """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""
-        updates = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs
-        mbs, ids = self._micro_batches(batch) if (updates > 1 or self.ref is not None) else ([], [])
-        if updates > 1:
-            with timer.phase("old_log_probs"):
-                outs = self.engine.forward_logprobs(mbs)
-                batch = batch.with_(old_logprobs=gather_per_token([o.logprobs.cpu() for o in outs], ids, batch))
-        if self.ref is not None:
-            with timer.phase("ref_log_probs"):
-                outs = self.ref.forward_logprobs(mbs)
-                batch = batch.with_(ref_logprobs=gather_per_token([o.logprobs.cpu() for o in outs], ids, batch))
-        return batch
-
-    def _train(self, batch: PackedBatch) -> dict[str, float]:
-        cfg = self.cfg
-        sums: dict[str, float] = {}
-        count = 0
-        for epoch in range(cfg.algo.ppo_epochs):
-            # With several minibatches, each epoch visits the groups in a fresh order. The generator is
-            # seeded from (seed, step, epoch), so a resumed run shuffles exactly as the original did.
-            shuffle = None
-            if cfg.algo.ppo_n_minibatches > 1:
-                shuffle = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + self.step_num * 1_009 + epoch)
-            minibatches = split_minibatches(batch.num_seqs, cfg.algo.ppo_n_minibatches, cfg.rollout.group_size,
-                                            generator=shuffle)
-            for seq_ids in minibatches:
-                mbs, _ = self._micro_batches(select(batch, seq_ids))
-                metrics = self.engine.forward_backward(mbs, self.loss_fn, max_response_len=cfg.rollout.max_new_tokens)
-                metrics.update(self.engine.optim_step())
-                if cfg.trainer.stop_on_nan and not all(map(math.isfinite, metrics.values())):
-                    raise NonFiniteLoss(f"non-finite training metrics: {metrics}")
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                count += 1
-        return {key: value / count for key, value in sums.items()}
-
-    def _sample_metrics(self, samples: list[Sample], rewards: torch.Tensor) -> dict[str, float]:
-        resp = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-        # unweighted score of each reward function (CombinedReward puts them in reward_info)
-        per_fn: dict[str, list[float]] = {}
-        for s in samples:
-            for name, value in s.reward_info.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    per_fn.setdefault(name, []).append(float(value))
-        group = rewards.view(-1, self.cfg.rollout.group_size)
-        return {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward/max": float(rewards.max()),
-            "reward/zero_adv_group_frac": float((group.min(dim=1).values == group.max(dim=1).values).float().mean()),
-            "reward/error_frac": sum("error" in s.reward_info for s in samples) / len(samples),
-            "rollout/response_len_mean": float(resp.mean()),
-            "rollout/response_len_max": float(resp.max()),
-            "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples),
-            "rollout/policy_version": float(self.step_num - 1),
-            **{f"reward/{name}": sum(v) / len(v) for name, v in per_fn.items() if len(v) == len(samples)},
-        }
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
-                 "config": asdict(self.cfg)}
+                 "loop": self.loop.state_dict(), "config": asdict(self.cfg)}
         barrier = torch.distributed.barrier if self.world > 1 else None
         path = self.checkpoints.save(self.step_num, self.engine.save, state, rank=self.rank, barrier=barrier)
         if self.rank == 0:
@@ -397,6 +234,7 @@ class RLTrainer:
             log.warning("resuming with a config that differs from the checkpoint's: %s", "; ".join(changed))
         self.prompts.load_state_dict(state["data"])
         self.rollout.load_state_dict(state["rollout"])
+        self.loop.load_state_dict(state.get("loop", {}))
         self.step_num = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
 
@@ -411,15 +249,3 @@ def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
         elif a != b and f"{prefix}{key}" != "trainer.total_steps":
             changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return changes
-
-
-@contextlib.contextmanager
-def _rollout_oom_advice(cfg: Config):
-    """Turn an OOM during generation into an error naming the settings that size the KV cache."""
-    try:
-        yield
-    except torch.OutOfMemoryError as err:
-        raise OutOfMemory(
-            f"out of memory while generating: lower rollout.max_batch_size (now {cfg.rollout.max_batch_size}) "
-            f"or rollout.max_new_tokens (now {cfg.rollout.max_new_tokens}). Original error: {err}"
-        ) from err

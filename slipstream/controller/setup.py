@@ -10,12 +10,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slipstream.algo.advantages import get_advantage_fn
+from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.config.schema import Config
 from slipstream.models import hf
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
 from slipstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from slipstream.models.transformer import Transformer
+from slipstream.rewards.runner import RewardRunner
+from slipstream.rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,50 @@ def stop_token_ids(tokenizer, stop: list[str], model_eos: int | list[int] | None
             raise ValueError(f"rollout.stop entry {text!r} encodes to {len(encoded)} tokens; it must be one token")
         ids.append(encoded[0])
     return sorted(set(ids))
+
+
+def build_sampling(cfg: Config, tokenizer, model_cfg: ModelConfig) -> SamplingParams:
+    """Sampling parameters of training rollouts: one group of `rollout.group_size` per prompt."""
+    return SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=stop_token_ids(tokenizer, cfg.rollout.stop, model_cfg.eos_token_id),
+        n=cfg.rollout.group_size,
+    )
+
+
+def build_rewards(cfg: Config, functions: list[str]) -> RewardRunner:
+    """The reward worker pool over `functions` (weights from reward.weights, 1.0 each by default)."""
+    return RewardRunner(
+        list(zip(functions, cfg.reward.weights or [1.0] * len(functions))),
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        on_error=cfg.reward.on_error,
+        error_score=cfg.reward.error_score,
+    )
+
+
+def build_advantage_fn(cfg: Config):
+    """The advantage estimator named by algo.advantage."""
+    # std_normalize is GRPO's switch (False = Dr.GRPO); the other estimators use their own default
+    if cfg.algo.advantage != "grpo" and not cfg.algo.std_normalize:
+        log.warning("algo.std_normalize=false is ignored by algo.advantage=%s (it applies to grpo)", cfg.algo.advantage)
+    options = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
+    return get_advantage_fn(cfg.algo.advantage, **options)
+
+
+def build_loss_fn(cfg: Config) -> SpecLoss:
+    """The policy loss: PPO clip terms, KL, entropy and aggregation from the algo section."""
+    a = cfg.algo
+    return SpecLoss(
+        LossSpec(
+            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg,
+            behav_is_cap=a.behav_is_cap,
+        )
+    )  # fmt: skip
 
 
 def prepare_run_dir(path: str) -> Path:

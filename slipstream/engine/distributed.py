@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from slipstream.batching.packing import scatter_per_token
+from slipstream.batching.records import PackedBatch
+
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _mesh: DeviceMesh | None = None
 
@@ -105,6 +108,18 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceO
     return tensor
 
 
+def gather_per_token(
+    values_per_mb: list[torch.Tensor], ids_per_mb: list[tuple[int, ...]], batch: PackedBatch
+) -> torch.Tensor:
+    """Per-token values (T, ...) of the whole `batch` on every rank, from each rank's micro-batch results.
+
+    Each rank scatters its own sequences (ids from `batching.shard.local_micro_batches`) into a
+    zero tensor; every position is covered by exactly one rank, so a SUM all-reduce assembles the
+    full batch exactly.
+    """
+    return all_reduce_(scatter_per_token(values_per_mb, ids_per_mb, batch))
+
+
 def check_same_on_all_ranks(value: int, what: str) -> None:
     """Raise ValueError unless every rank passes the same `value` (one tiny gloo/CPU all-reduce).
 
@@ -118,7 +133,7 @@ def check_same_on_all_ranks(value: int, what: str) -> None:
     if high != low:
         raise ValueError(
             f"ranks disagree on {what}: between {low} and {high}; every rank must get the same number "
-            f"(use slipstream.engine.factory.local_micro_batches, which pads with empty micro-batches)"
+            f"(use slipstream.batching.shard.local_micro_batches, which pads with empty micro-batches)"
         )
 
 

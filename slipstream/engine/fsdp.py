@@ -15,7 +15,7 @@ live and how ranks agree:
   * the gradient norm is the global one (DTensor norms reduced across ranks before clipping).
 
 Every rank must call forward_logprobs / forward_backward with the same number of
-micro-batches (FSDP runs collectives inside each forward); `factory.local_micro_batches`
+micro-batches (FSDP runs collectives inside each forward); `batching.shard.local_micro_batches`
 pads a rank's share with empty micro-batches to guarantee it.
 """
 

@@ -15,7 +15,8 @@ from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.config.schema import ActorSection
 from slipstream.engine.distributed import destroy_distributed, free_port, init_distributed
-from slipstream.engine.factory import build_engine, local_micro_batches
+from slipstream.batching.shard import local_micro_batches
+from slipstream.engine.factory import build_engine
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
 from slipstream.models import hf

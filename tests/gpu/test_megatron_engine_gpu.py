@@ -21,7 +21,7 @@ from slipstream.algo.losses import LossSpec, SpecLoss  # noqa: E402
 from slipstream.batching.records import PackedBatch  # noqa: E402
 from slipstream.bench.workloads import batch_from_lengths  # noqa: E402
 from slipstream.config.schema import ActorSection  # noqa: E402
-from slipstream.engine.factory import local_micro_batches  # noqa: E402
+from slipstream.batching.shard import local_micro_batches  # noqa: E402
 from slipstream.engine.fsdp import FSDPEngine  # noqa: E402
 from slipstream.engine.megatron.engine import MegatronEngine  # noqa: E402
 from slipstream.models.presets import get_preset  # noqa: E402

@@ -23,7 +23,9 @@ from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
 from slipstream.config.schema import ActorSection
 from slipstream.engine.distributed import destroy_distributed, free_port
-from slipstream.engine.factory import build_engine, gather_per_token, local_micro_batches
+from slipstream.batching.shard import local_micro_batches
+from slipstream.engine.distributed import gather_per_token
+from slipstream.engine.factory import build_engine
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
 from slipstream.models.parallelize import parallelize

@@ -28,7 +28,8 @@ from slipstream.batching.packing import pack_samples  # noqa: E402
 from slipstream.batching.records import PackedBatch, Sample  # noqa: E402
 from slipstream.config.schema import ActorSection, Config, MegatronLayout, parse_backend  # noqa: E402
 from slipstream.engine.distributed import free_port, init_distributed  # noqa: E402
-from slipstream.engine.factory import build_engine, local_micro_batches  # noqa: E402
+from slipstream.batching.shard import local_micro_batches
+from slipstream.engine.factory import build_engine  # noqa: E402
 from slipstream.engine.local import LocalEngine  # noqa: E402
 from slipstream.models.presets import get_preset  # noqa: E402
 from slipstream.models.transformer import Transformer  # noqa: E402

@@ -10,7 +10,7 @@ from slipstream.config.schema import ActorSection, Config
 from slipstream.engine.factory import build_engine
 from slipstream.engine import optim as optim_module
 from slipstream.engine.optim import StochasticRoundingAdamW, build_optimizer, stochastic_round_to_bf16
-from slipstream.engine.factory import local_micro_batches
+from slipstream.batching.shard import local_micro_batches
 from slipstream.engine.fsdp import FSDPEngine
 from slipstream.engine.local import LocalEngine
 from test_fsdp import ACTOR, BATCHES, BF16_ACTOR, CAP, CPU, LOSSES, make_model, run_steps
