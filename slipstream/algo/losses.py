@@ -249,6 +249,25 @@ class LossSpec:
         lookup(AGG_MODES, "aggregation mode", self.agg_mode)
 
 
+def rollout_mismatch(trainer: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the rollout engine's log-probs are from the trainer's on the same tokens and weights.
+
+    Sums over the `mask` tokens (the caller divides by `rollout/mismatch_tokens`): |trainer - behav|,
+    and the k3 estimate of KL(behaviour || trainer), (r - 1) - log r with r = pi_trainer / pi_behav,
+    which is unbiased for tokens sampled from the behaviour policy. Plus the largest |difference|.
+    """
+    m = mask.to(torch.float64)
+    log_r = _fp32_or_wider(trainer.detach()).double() - _fp32_or_wider(behav).double()
+    k3 = torch.expm1(log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) - log_r
+    diff = log_r.abs() * m
+    return {
+        "rollout/mismatch_abs_sum": diff.sum(),
+        "rollout/mismatch_k3_sum": (k3 * m).sum(),
+        "rollout/mismatch_tokens": m.sum(),
+        "rollout/logprob_abs_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
+    }
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     entropy: torch.Tensor | None,
@@ -305,6 +324,10 @@ def policy_loss(
         metrics["actor/dual_clip_frac"] = token_mean(stats["dual_clipped"])
     if "is_weight" in stats:
         metrics["actor/is_weight_mean"] = token_mean(stats["is_weight"])
+    if batch.behav_logprobs is not None:
+        # `old` holds the weights before this update: the rollout's, when the tokens are fresh
+        fresh = mask if batch.fresh_mask is None else mask & batch.fresh_mask
+        metrics.update(rollout_mismatch(old, batch.behav_logprobs, fresh))
     return loss, metrics
 
 

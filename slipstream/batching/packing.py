@@ -19,8 +19,8 @@ from slipstream.batching.records import MicroBatchPlan, PackedBatch, Sample
 PAD_SAMPLE_ID = -1
 """`sample_ids` entry of the dummy sequence appended by `pad_to_multiple`."""
 
-# Optional per-token float arrays that follow their tokens through select / pad.
-_OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "behav_logprobs")
+# Optional per-token arrays that follow their tokens through select / pad.
+_OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "behav_logprobs", "fresh_mask")
 
 
 def _cu_seqlens(lens: Sequence[int]) -> torch.Tensor:
@@ -233,7 +233,7 @@ def pad_to_multiple(batch: PackedBatch, multiple: int, pad_token_id: int = 0) ->
 
     cu = torch.cat([batch.cu_seqlens, (batch.cu_seqlens[-1:] + num_pad)])
     optional = {
-        name: (extend(getattr(batch, name), 0.0) if getattr(batch, name) is not None else None)
+        name: (extend(getattr(batch, name), 0) if getattr(batch, name) is not None else None)
         for name in _OPTIONAL_PER_TOKEN
     }
     sample_ids = batch.sample_ids or tuple(range(batch.num_seqs))

@@ -27,7 +27,9 @@ class Sample:
     finish_reason: str = "length"
     """"stop" when a stop token ended the completion, "length" when max_new_tokens did."""
     version: int = 0
-    """Policy version (optimizer steps taken) of the weights that generated this sample."""
+    """Policy version of the oldest token: the number of weight syncs the rollout had received when it sampled it."""
+    token_versions: tuple[int, ...] = ()
+    """Policy version of each response token (weights may change while a sample is in flight); () = all `version`."""
     prompt_text: str = ""
     response_text: str = ""
     answer: str | None = None
@@ -40,6 +42,10 @@ class Sample:
             raise ValueError(
                 f"behav_logprobs has {len(self.behav_logprobs)} entries for "
                 f"{len(self.response_ids)} response tokens"
+            )
+        if self.token_versions and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"token_versions has {len(self.token_versions)} entries for {len(self.response_ids)} response tokens"
             )
 
     @property
@@ -65,6 +71,8 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None = None  # (T,) float32, policy before this update
     ref_logprobs: torch.Tensor | None = None  # (T,) float32, reference model
     behav_logprobs: torch.Tensor | None = None  # (T,) float32, rollout engine's log-probs
+    fresh_mask: torch.Tensor | None = None
+    """(T,) bool: response tokens sampled with the weights the trainer holds before this update (None: all)."""
     sample_ids: tuple[int, ...] = ()
     """Index of each packed sequence in the list it was packed from (for scattering results back)."""
 

@@ -23,8 +23,8 @@ def empty_micro_batch(like: PackedBatch) -> PackedBatch:
     long = torch.zeros(1, dtype=torch.int64)
     zero = torch.zeros(1, dtype=torch.float32)
     optional = {
-        name: (None if getattr(like, name) is None else zero.clone())
-        for name in ("old_logprobs", "ref_logprobs", "behav_logprobs")
+        name: (None if getattr(like, name) is None else torch.zeros(1, dtype=getattr(like, name).dtype))
+        for name in ("old_logprobs", "ref_logprobs", "behav_logprobs", "fresh_mask")
     }
     return PackedBatch(
         input_ids=long.clone(),

@@ -75,9 +75,21 @@ class RolloutSection:
     stop: list[str] = field(default_factory=list)
     """Extra stop strings (each must encode to a single token); the tokenizer's EOS always stops."""
     max_batch_size: int = 256
-    """Most sequences decoded at once by the builtin engine."""
+    """Most sequences decoded at once by the builtin engine (its KV cache slots; fewer when gpu_memory_fraction is reached)."""
     seed: int = 0
-    """Seed of the sampler."""
+    """Seed of the sampler; with a prompt's position in the data stream and the sample index it decides every draw."""
+    gpu_memory_fraction: float = 0.5
+    """Share of the GPU memory free when the rollout starts that its KV cache may take (CUDA)."""
+    prefill_tokens: int = 16384
+    """Most prompt tokens per prefill forward; longer prompts are prefilled in chunks."""
+    decode_steps_per_sync: int = 16
+    """Decode steps between two looks of the host at the sampled tokens (stop checks, slot reuse)."""
+    compile: bool = True
+    """torch.compile the rollout's layer halves and sampler (CUDA only; the CPU runs eagerly)."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs, one per batch-size bucket (CUDA only)."""
+    sleep_during_train: bool = True
+    """Free the rollout's KV cache and weights on the GPU while the trainer works (colocated; a no-op on the CPU)."""
 
 
 @dataclass
@@ -283,6 +295,8 @@ def check_config(cfg: Config) -> None:
             "rollout.group_size": r.group_size,
             "rollout.max_new_tokens": r.max_new_tokens,
             "rollout.max_batch_size": r.max_batch_size,
+            "rollout.prefill_tokens": r.prefill_tokens,
+            "rollout.decode_steps_per_sync": r.decode_steps_per_sync,
             "algo.ppo_n_minibatches": a.ppo_n_minibatches,
             "algo.ppo_epochs": a.ppo_epochs,
             "actor.max_tokens_per_mb": cfg.actor.max_tokens_per_mb,
@@ -315,6 +329,8 @@ def check_config(cfg: Config) -> None:
                 raise ValueError(f"{key} must be {bound}, got {value}")
     if r.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
+    if not 0 < r.gpu_memory_fraction < 1:
+        raise ValueError(f"rollout.gpu_memory_fraction must be in (0, 1), got {r.gpu_memory_fraction}")
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
     if r.prompts_per_step % a.ppo_n_minibatches:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.checkpoint.manager import CheckpointManager, saved_rank_count, trainer_file
+from slipstream.checkpoint.manager import CheckpointManager, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
@@ -37,7 +37,6 @@ from slipstream.engine.factory import build_engine
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
-from slipstream.rollout.builtin import BuiltinRollout
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +86,7 @@ class RLTrainer:
         if ref_model is not None:
             self.ref = build_engine(ref_model, self.device, compute_dtype, temperature, cfg.actor, forward_only=True)
 
-        rollout_dtype = compute_dtype if self.device.type == "cuda" else torch.float32
-        # each data-parallel rank samples its own groups: its own random stream
-        self.rollout = BuiltinRollout(
-            self.model_cfg, self.device, rollout_dtype, max_batch_size=cfg.rollout.max_batch_size,
-            seed=cfg.rollout.seed + 1_000_003 * self.dp_rank,
-        )  # fmt: skip
+        self.rollout = setup.build_rollout(cfg, self.model_cfg, self.device, compute_dtype)
         self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
         self.prompts = PromptSource(cfg, self.tokenizer)
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
@@ -185,12 +179,6 @@ class RLTrainer:
     def _agreed_latest_checkpoint(self) -> Path | None:
         """The newest checkpoint, as rank 0 sees it, on every rank; every rank must find its own trainer file."""
         latest = self.checkpoints.latest()
-        if latest is not None and self.rank == 0:
-            saved_ranks = saved_rank_count(latest)
-            if saved_ranks > self.world:
-                log.warning("%s was saved by %d processes, this run has %d: the samplers of ranks %d.. start from "
-                            "their saved states no more (their share of the groups moves to other ranks)",
-                            latest, saved_ranks, self.world, self.world)
         if self.world == 1:
             return latest
         choice = [str(latest) if latest is not None else None]

@@ -27,6 +27,7 @@ class SyncLoop:
             first, records = st.my_share(self.prompts.next_batch())
             with timer.phase("rollout"), rollout_oom_advice(st.cfg):
                 samples = st.generate(records, first)
+                st.release_rollout()
             with timer.phase("reward"):
                 samples = st.score(samples)
             if st.world > 1:

@@ -17,6 +17,8 @@ class TokenizedPrompt:
     prompt_ids: list[int]
     prompt_text: str
     answer: str | None
+    index: int = 0
+    """Position in the data stream: the key of the prompt's sampling randomness (same on every rank, across resumes)."""
 
 
 class PromptSource:
@@ -45,13 +47,14 @@ class PromptSource:
         return self._reward_functions
 
     def next_batch(self) -> list[TokenizedPrompt]:
+        start = self.dataset.position
         records = next(self.dataset.batches(self.batch_size))
         out = []
-        for record in records:
+        for index, record in enumerate(records, start):
             rendered = render_prompt(record, self.template)
             ids = encode_prompt(self.tokenizer, rendered, use_chat_template=self.use_chat_template)
             text = rendered if isinstance(rendered, str) else self.tokenizer.decode(ids)
-            out.append(TokenizedPrompt(prompt_ids=list(ids), prompt_text=text, answer=record.answer))
+            out.append(TokenizedPrompt(prompt_ids=list(ids), prompt_text=text, answer=record.answer, index=index))
         return out
 
     def state_dict(self) -> dict:

@@ -20,6 +20,7 @@ from slipstream.models.tokenizer import build_char_tokenizer, load_tokenizer
 from slipstream.models.transformer import Transformer
 from slipstream.rewards.runner import RewardRunner
 from slipstream.rollout.base import SamplingParams
+from slipstream.rollout.builtin import BuiltinRollout
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,18 @@ def stop_token_ids(tokenizer, stop: list[str], model_eos: int | list[int] | None
             raise ValueError(f"rollout.stop entry {text!r} encodes to {len(encoded)} tokens; it must be one token")
         ids.append(encoded[0])
     return sorted(set(ids))
+
+
+def build_rollout(cfg: Config, model_cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype) -> BuiltinRollout:
+    """The builtin engine: the compute dtype on CUDA, fp32 on the CPU. Every rank uses the same seed: a
+    sample's randomness depends on its prompt's position in the data stream, not on the rank."""
+    r = cfg.rollout
+    return BuiltinRollout(
+        model_cfg, device, compute_dtype if device.type == "cuda" else torch.float32,
+        max_batch_size=r.max_batch_size, seed=r.seed, compile=r.compile, cuda_graphs=r.cuda_graphs,
+        gpu_memory_fraction=r.gpu_memory_fraction, prefill_tokens=r.prefill_tokens,
+        decode_steps_per_sync=r.decode_steps_per_sync,
+    )  # fmt: skip
 
 
 def build_sampling(cfg: Config, tokenizer, model_cfg: ModelConfig) -> SamplingParams:

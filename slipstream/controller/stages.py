@@ -28,7 +28,7 @@ from slipstream.batching.records import PackedBatch, Sample
 from slipstream.batching.shard import local_micro_batches
 from slipstream.config.schema import Config
 from slipstream.controller.prompts import TokenizedPrompt
-from slipstream.engine.base import TrainEngine
+from slipstream.engine.base import MAX_METRIC_SUFFIX, TrainEngine
 from slipstream.engine.distributed import all_reduce_, gather_per_token
 from slipstream.engine.local import OutOfMemory
 from slipstream.models.config import ModelConfig
@@ -74,7 +74,7 @@ class Stages:
 
     def generate(self, records: list[TokenizedPrompt], first_group: int) -> list[Sample]:
         """`group_size` samples per prompt, group ids numbered from `first_group`."""
-        groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling)
+        groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records])
         return [
             replace(s, group_id=first_group + g, prompt_text=r.prompt_text, answer=r.answer)
             for g, (r, group) in enumerate(zip(records, groups))
@@ -98,8 +98,13 @@ class Stages:
         return sorted((s for part in gathered for s in part), key=lambda s: s.group_id)
 
     def sync_weights(self, version: int) -> None:
-        """Copy the trainer's weights into the rollout engine; later samples carry `version`."""
+        """Copy the trainer's weights into the rollout engine (waking it); later tokens carry `version`."""
         self.rollout.update_weights(self.engine.export_weights(), version=version)
+
+    def release_rollout(self) -> None:
+        """Colocated: free the rollout's KV cache and weights while the trainer works (rollout.sleep_during_train)."""
+        if self.cfg.rollout.sleep_during_train:
+            self.rollout.sleep()
 
     # ------------------------------------------------------------------ trainer side
     def make_batch(self, samples: list[Sample]) -> tuple[PackedBatch, torch.Tensor]:
@@ -135,6 +140,7 @@ class Stages:
         """ppo_epochs x ppo_n_minibatches optimizer steps on `batch`; metrics averaged over them."""
         cfg = self.cfg
         sums: dict[str, float] = {}
+        mismatch: dict[str, float] = {}
         count = 0
         for epoch in range(cfg.algo.ppo_epochs):
             # With several minibatches, each epoch visits the groups in a fresh order. The generator is
@@ -150,10 +156,15 @@ class Stages:
                 metrics.update(self.engine.optim_step())
                 if cfg.trainer.stop_on_nan and not all(map(math.isfinite, metrics.values())):
                     raise NonFiniteLoss(f"non-finite training metrics: {metrics}")
+                for key in [k for k in metrics if k.startswith("rollout/")]:
+                    value = metrics.pop(key)
+                    if epoch == 0:  # every token once, compared with the pre-update weights
+                        merge = max if key.endswith(MAX_METRIC_SUFFIX) else (lambda a, b: a + b)
+                        mismatch[key] = merge(mismatch[key], value) if key in mismatch else value
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 count += 1
-        return {key: value / count for key, value in sums.items()}
+        return {**{key: value / count for key, value in sums.items()}, **_mismatch_metrics(mismatch)}
 
     # ------------------------------------------------------------------ metrics
     def sample_metrics(self, samples: list[Sample], rewards: torch.Tensor) -> dict[str, float]:
@@ -204,6 +215,18 @@ class Stages:
         return times
 
 
+def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Trainer-vs-rollout log-prob mismatch of the step's fresh response tokens (see algo.losses.rollout_mismatch)."""
+    tokens = sums.get("rollout/mismatch_tokens", 0.0)
+    if not tokens:
+        return {}
+    return {
+        "rollout/logprob_abs_diff_mean": sums["rollout/mismatch_abs_sum"] / tokens,
+        "rollout/logprob_abs_diff_max": sums["rollout/logprob_abs_diff_max"],
+        "rollout/behav_kl_k3": sums["rollout/mismatch_k3_sum"] / tokens,
+    }
+
+
 @contextlib.contextmanager
 def rollout_oom_advice(cfg: Config):
     """Turn an OOM during generation into an error naming the settings that size the KV cache."""
@@ -211,6 +234,8 @@ def rollout_oom_advice(cfg: Config):
         yield
     except torch.OutOfMemoryError as err:
         raise OutOfMemory(
-            f"out of memory while generating: lower rollout.max_batch_size (now {cfg.rollout.max_batch_size}) "
-            f"or rollout.max_new_tokens (now {cfg.rollout.max_new_tokens}). Original error: {err}"
+            f"out of memory while generating: lower rollout.gpu_memory_fraction (now {cfg.rollout.gpu_memory_fraction}), "
+            f"rollout.max_batch_size (now {cfg.rollout.max_batch_size}), rollout.prefill_tokens (now "
+            f"{cfg.rollout.prefill_tokens}) or rollout.max_new_tokens (now {cfg.rollout.max_new_tokens}). "
+            f"Original error: {err}"
         ) from err

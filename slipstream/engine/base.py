@@ -25,11 +25,43 @@ class LogProbOutput:
     entropy: torch.Tensor | None  # (T,) float32, only when asked for
 
 
+MAX_METRIC_SUFFIX = "_max"
+"""Loss metrics named `..._max` are maxima: reduced with max over micro-batches and ranks, not summed."""
+
+
+def accumulate_metrics(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Fold one micro-batch's loss metrics into `totals`: sums, and maxima for `..._max` keys."""
+    for key, value in metrics.items():
+        value = value.detach().float()
+        if key not in totals:
+            totals[key] = value
+        elif key.endswith(MAX_METRIC_SUFFIX):
+            totals[key] = torch.maximum(totals[key], value)
+        else:
+            totals[key] = totals[key] + value
+
+
+def reduce_metrics(totals: dict[str, torch.Tensor], device: torch.device, sum_over_ranks, max_over_ranks) -> dict[str, float]:
+    """Minibatch metrics from this rank's totals: one collective (and one host sync) per reduction kind.
+
+    Keys are sorted, so every rank stacks the same metrics in the same order."""
+    result: dict[str, float] = {}
+    for reduce, keys in (
+        (max_over_ranks, sorted(k for k in totals if k.endswith(MAX_METRIC_SUFFIX))),
+        (sum_over_ranks, sorted(k for k in totals if not k.endswith(MAX_METRIC_SUFFIX))),
+    ):
+        if keys:
+            values = reduce(torch.stack([torch.as_tensor(totals[k], device=device) for k in keys]))
+            result.update(zip(keys, values.tolist()))
+    return result
+
+
 class LossFn(Protocol):
     """A pure loss over one micro-batch: (logprobs, entropy, micro_batch, global norm) -> (loss, metrics).
 
     `metrics` values are detached 0-dim tensors already divided by the global denominators,
-    so the engine sums them over micro-batches to get minibatch values.
+    so the engine sums them over micro-batches to get minibatch values (`..._max` metrics are
+    maxima instead; see `accumulate_metrics`).
     """
 
     needs_entropy: bool

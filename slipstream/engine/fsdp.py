@@ -128,6 +128,9 @@ class FSDPEngine(LocalEngine):
     def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_(values)
 
+    def _max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_(values, op=torch.distributed.ReduceOp.MAX)
+
     def _clip_grad_norm(self, max_norm: float) -> float:
         if self.master_dtype != torch.float32:
             return self._clip_low_precision_grads(max_norm)

@@ -17,7 +17,7 @@ import torch
 
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection
-from slipstream.engine.base import LogProbOutput, LossFn
+from slipstream.engine.base import LogProbOutput, LossFn, accumulate_metrics, reduce_metrics
 from slipstream.engine.optim import build_optimizer
 from slipstream.models import hf
 from slipstream.models.transformer import Transformer
@@ -111,6 +111,10 @@ class LocalEngine:
         """Sum per-rank metric partials over data-parallel ranks (one process here: identity)."""
         return values
 
+    def _max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of per-rank values over data-parallel ranks (one process here: identity)."""
+        return values
+
     def _clip_grad_norm(self, max_norm: float) -> float:
         """Clip gradients to `max_norm` and return the (pre-clip) global norm."""
         if self.master_dtype != torch.float32:
@@ -169,15 +173,8 @@ class LocalEngine:
                 logprobs, entropy = self._logprobs(mb, loss_fn.needs_entropy)
                 loss, metrics = loss_fn(logprobs, entropy, mb, norm)
                 loss.backward()
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach().float()
-        # one host sync for all metrics of the minibatch (sorted keys: the same order on every rank)
-        keys = sorted(totals)
-        values = []
-        if keys:
-            values = self._sum_over_ranks(torch.stack([torch.as_tensor(totals[k], device=self.device) for k in keys]))
-            values = values.tolist()
-        result = dict(zip(keys, values))
+                accumulate_metrics(totals, metrics)
+        result = reduce_metrics(totals, self.device, self._sum_over_ranks, self._max_over_ranks)
         result["actor/num_loss_tokens"] = float(norm.num_loss_tokens)
         result["actor/num_micro_batches"] = float(len(micro_batches))
         return result

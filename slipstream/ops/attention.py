@@ -234,6 +234,60 @@ def _flex_attention(q, k, v, cu_seqlens, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
+def cache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries over a flattened KV cache with ragged lengths: -> (T, Hq, D).
+
+    q (T, Hq, D) holds the new tokens of B sequences back to back (sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]); k_cache / v_cache (N, Hkv, D) is one layer's cache with
+    every sequence in a region of its own: sequence b's keys are rows
+    cu_seqlens_k[b] : cu_seqlens_k[b] + seqused_k[b], the new tokens' keys already written at the
+    end. The regions need not be in order (only the first B entries of cu_seqlens_k are read).
+    With `causal` a query sees the keys up to its own position, aligned to the end of the region
+    (the i-th of n new queries sits at key position seqused_k - n + i): chunked prefill and
+    decoding (one query per sequence) are the same call. GQA is native: query head h reads kv
+    head h // (Hq / Hkv), no repeat.
+
+    CUDA + bf16/fp16: FlashAttention's varlen forward with `seqused_k` (no (B, L) mask, no
+    per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere: one SDPA call
+    per sequence over exactly its keys, so a sequence's result does not depend on the others.
+    """
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._flash_attention_forward(
+            q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+            scale=scale, seqused_k=seqused_k,
+        )  # fmt: skip
+        return out[0]
+    out = torch.empty_like(q)
+    q_bounds, k_starts, k_lens = cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), seqused_k.tolist()
+    group = q.shape[1] != k_cache.shape[1]
+    for b, n in enumerate(k_lens):
+        q0, q1 = q_bounds[b], q_bounds[b + 1]
+        if q1 == q0:
+            continue
+        k0 = k_starts[b]
+        qs = q[q0:q1].transpose(0, 1)  # (H, n, D)
+        ks = k_cache[k0 : k0 + n].transpose(0, 1)
+        vs = v_cache[k0 : k0 + n].transpose(0, 1)
+        mask = None
+        if causal and q1 - q0 > 1:  # bottom-right aligned: query i sees keys [0, n - (q1 - q0) + i]
+            rows = torch.arange(q1 - q0, device=q.device)[:, None] + (n - (q1 - q0))
+            mask = torch.arange(n, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group)
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -62,5 +62,5 @@ def test_out_of_memory_in_rollout_names_the_setting(tmp_path, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
     monkeypatch.setattr(trainer.rollout, "generate", oom)
-    with pytest.raises(OutOfMemory, match="lower rollout.max_batch_size"):
+    with pytest.raises(OutOfMemory, match="lower rollout.gpu_memory_fraction .*rollout.max_batch_size"):
         trainer.step()

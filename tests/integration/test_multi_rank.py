@@ -26,25 +26,8 @@ SMALL = (
 SAME_ON_EVERY_RANK = ("reward/", "rollout/", "actor/")
 
 
-def _sample_each_prompt_alone(trainer: RLTrainer) -> None:
-    """Make generation independent of how prompts are split over ranks: each prompt is generated on
-    its own with the sampler seeded from (policy version, the prompt's index in the step)."""
-    rollout, generate = trainer.rollout, trainer.rollout.generate
-
-    def per_prompt(prompts, sampling):
-        first = trainer.dp_rank * len(prompts)
-        out = []
-        for i, prompt in enumerate(prompts):
-            rollout.generator.manual_seed(7919 * rollout.version + first + i)
-            out.extend(generate([prompt], sampling))
-        return out
-
-    rollout.generate = per_prompt
-
-
 def _worker(
     rank: int, world: int, port: int, run_dir: str, steps: int, extra: tuple[str, ...], out: str,
-    per_prompt: bool = False,
 ) -> None:  # fmt: skip
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
@@ -54,8 +37,6 @@ def _worker(
             "actor.backend=fsdp", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", *extra,
         ])  # fmt: skip
         trainer = RLTrainer(cfg)
-        if per_prompt:
-            _sample_each_prompt_alone(trainer)
         seen: list[dict] = []
         log = trainer.logger.log
         trainer.logger.log = lambda step, metrics: (seen.append({"step": step, **metrics}), log(step, metrics))
@@ -66,12 +47,10 @@ def _worker(
         destroy_distributed()
 
 
-def _run(
-    tmp_path: Path, name: str, steps: int, extra: tuple[str, ...] = SMALL, world: int = 2, per_prompt: bool = False
-) -> list[dict]:  # fmt: skip
+def _run(tmp_path: Path, name: str, steps: int, extra: tuple[str, ...] = SMALL, world: int = 2) -> list[dict]:
     out = tmp_path / f"{name}-out"
     out.mkdir(exist_ok=True)
-    args = (world, free_port(), str(tmp_path / name), steps, extra, str(out), per_prompt)
+    args = (world, free_port(), str(tmp_path / name), steps, extra, str(out))
     mp.spawn(_worker, args=args, nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -111,11 +90,12 @@ EQUIV = (
 
 
 def test_two_ranks_train_like_one_process(tmp_path):
-    """With the same samples (each prompt generated alone from a seed of its own), 2 ranks take the steps
-    1 process takes: gathered samples in group order, the other rank's old / ref log-probs, the
-    global loss denominators and the summed gradients all have to be right for this to hold."""
-    (one,) = _run(tmp_path, "one", 3, EQUIV, world=1, per_prompt=True)
-    two, _ = _run(tmp_path, "two", 3, EQUIV, world=2, per_prompt=True)
+    """2 ranks take the steps 1 process takes. The samples are the same (a sample's randomness depends on
+    its prompt's position in the data stream, not on the rank that generates it); then the gathered
+    samples in group order, the other rank's old / ref log-probs, the global loss denominators and the
+    summed gradients all have to be right for this to hold."""
+    (one,) = _run(tmp_path, "one", 3, EQUIV, world=1)
+    two, _ = _run(tmp_path, "two", 3, EQUIV, world=2)
     for a, b in zip(one["metrics"], two["metrics"], strict=True):
         keys = [k for k in _agreed(a) if k != "actor/num_micro_batches"]  # that one is per rank
         assert a["reward/std"] > 0 and a["actor/kl"] != 0  # the test exercises advantages and the KL term
@@ -161,7 +141,7 @@ def test_two_ranks_refuse_a_one_process_checkpoint(tmp_path):
 
 
 def test_one_process_resumes_a_two_rank_checkpoint(tmp_path):
-    """Fewer processes than saved: the engine reshards (DCP) and rank 0's sampler goes on (a warning names the rest)."""
+    """Fewer processes than saved: the engine reshards (DCP); sampling needs no per-rank state."""
     _run(tmp_path, "run", 2, SMALL, world=2)
     (resumed,) = _run(tmp_path, "run", 4, SMALL, world=1)
     assert [m["step"] for m in resumed["metrics"]] == [3, 4]

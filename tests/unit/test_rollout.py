@@ -1,4 +1,9 @@
-"""Builtin rollout engine: greedy decoding, behaviour log-probs, stop tokens, weight updates."""
+"""Builtin rollout engine on the CPU (fp32): continuous batching must not change what is sampled.
+
+References: a token-by-token full forward of the training model (greedy argmax, behaviour
+log-probs), a request generated alone (same key -> same tokens in any crowd, slot count, ring
+length or prefill chunking), and a sort-based nucleus filter.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,32 @@ from slipstream.models.hf import iter_hf_weights
 from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.rollout.base import RolloutEngine, SamplingParams
-from slipstream.rollout.builtin import BuiltinRollout, filter_logits, sample_tokens
+from slipstream.rollout.builtin import BuiltinRollout
+from slipstream.rollout.core import decode_buckets
+from slipstream.rollout.kv_cache import SlotCache
+from slipstream.rollout.sampler import filter_logits, sample_tokens, top_p_threshold, vocab_hashes
 
 torch.set_num_threads(1)
 
 CFG = get_preset("tiny")
-PROMPTS = [[1, 17, 23, 5, 9], [1, 40], [1, 8, 8, 30]]  # different lengths -> left padding
+PROMPTS = [[1, 17, 23, 5, 9], [1, 40], [1, 8, 8, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7]]
+
+
+def _weights(seed: int = 123, scale: float = 10.0) -> Transformer:
+    # Larger weights than the 0.02 init make the next-token distribution peaked, so greedy
+    # decoding is not decided by float noise between near-equal logits.
+    ref = Transformer(CFG)
+    ref.init_weights(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return ref
 
 
 def _engine(seed: int = 0, **kw) -> BuiltinRollout:
     engine = BuiltinRollout(CFG, max_batch_size=kw.pop("max_batch_size", 8), seed=seed, **kw)
-    # Larger weights than the 0.02 init make the next-token distribution peaked, so greedy
-    # decoding is not decided by float noise between near-equal logits.
-    ref = Transformer(CFG)
-    ref.init_weights(123)
-    with torch.no_grad():
-        for p in ref.parameters():
-            if p.dim() == 2:
-                p.mul_(10.0)
-    engine.update_weights(iter_hf_weights(ref), version=3)
+    engine.update_weights(iter_hf_weights(_weights()), version=3)
     return engine
 
 
@@ -39,31 +51,36 @@ def _full_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
         return model.logits(model(x, torch.arange(len(ids)), cu, len(ids)))
 
 
+def _ids(out):
+    return [[s.response_ids for s in group] for group in out]
+
+
 def test_builtin_satisfies_protocol():
     assert isinstance(_engine(), RolloutEngine)
 
 
-def test_greedy_equals_argmax_decoding():
-    engine = _engine()
-    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
-    for prompt, (sample,) in zip(PROMPTS, out):
-        seq = list(prompt)
-        for _ in range(6):  # reference: recompute the whole sequence, take the argmax
-            seq.append(int(_full_logits(engine.model, seq)[-1].argmax()))
-        assert list(sample.response_ids) == seq[len(prompt) :]
-        assert sample.finish_reason == "length" and sample.version == 3
-        assert sample.prompt_ids == tuple(prompt)
-    # top_k=1 sampling at temperature 1 is greedy too.
-    topk1 = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6))
-    assert [s[0].response_ids for s in topk1] == [s[0].response_ids for s in out]
+@pytest.mark.parametrize("slots,ring", [(8, 16), (3, 2), (1, 1)])
+def test_greedy_equals_argmax_decoding_with_mixed_budgets(slots, ring):
+    # 3 slots for 10 samples: finished samples hand their slot to waiting ones mid-generation
+    engine = _engine(max_batch_size=slots, decode_steps_per_sync=ring)
+    budgets = [[6, 2], [1, 5], [4, 4], [3, 7], [2, 6]]
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=7, n=2), budgets=budgets)
+    for prompt, group, budget in zip(PROMPTS, out, budgets):
+        for sample, b in zip(group, budget):
+            seq = list(prompt)
+            for _ in range(b):  # reference: recompute the whole sequence, take the argmax
+                seq.append(int(_full_logits(engine.model, seq)[-1].argmax()))
+            assert list(sample.response_ids) == seq[len(prompt) :]
+            assert sample.finish_reason == "length" and sample.version == 3
+            assert sample.token_versions == (3,) * b and sample.prompt_ids == tuple(prompt)
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
 def test_behaviour_logprobs_match_recomputed_forward(temperature, top_p, top_k):
-    engine = _engine(max_batch_size=4)  # 6 rows -> two chunks
+    engine = _engine(max_batch_size=4)  # 10 rows through 4 slots
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=8, n=2)
     out = engine.generate(PROMPTS, sampling)
-    assert [len(group) for group in out] == [2, 2, 2]
+    assert [len(group) for group in out] == [2] * len(PROMPTS)
     for gid, group in enumerate(out):
         for sample in group:
             assert sample.group_id == gid and len(sample.response_ids) == 8
@@ -71,14 +88,55 @@ def test_behaviour_logprobs_match_recomputed_forward(temperature, top_p, top_k):
             logits = _full_logits(engine.model, seq)[len(sample.prompt_ids) - 1 : -1]
             # Same convention as the trainer: log_softmax(logits / T), no top-k/top-p renormalisation.
             ref = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(sample.response_ids)[:, None])
+            # measured max |diff| 2e-6 (fp32, different summation order); 5x margin
             torch.testing.assert_close(torch.tensor(sample.behav_logprobs), ref.squeeze(-1), atol=1e-5, rtol=0)
 
 
-def test_stop_token_ends_generation():
-    engine = _engine()
+@pytest.mark.parametrize("crowd", [1, 7, 64])
+def test_a_request_samples_the_same_alone_or_in_a_crowd(crowd):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=9, n=3)
+    target, key = [1, 17, 23, 5, 9], 1234
+    alone = _engine(max_batch_size=4).generate([target], sampling, keys=[key])[0]
+    gen = torch.Generator().manual_seed(crowd)
+    others = [torch.randint(1, CFG.vocab_size, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+              for _ in range(crowd)]  # fmt: skip
+    where = crowd // 2
+    prompts = others[:where] + [target] + others[where:]
+    keys = list(range(crowd)) + [key]
+    keys = keys[:where] + [key] + keys[where:crowd]
+    # another slot count, ring length and prefill chunking: the schedule changes, the samples do not
+    engine = _engine(max_batch_size=5, decode_steps_per_sync=3, prefill_tokens=4)
+    in_crowd = engine.generate(prompts, sampling, keys=keys)[where]
+    assert [s.response_ids for s in in_crowd] == [s.response_ids for s in alone]
+    for a, b in zip(alone, in_crowd):
+        # measured max |diff| 0 to 1e-6 (batch-dependent GEMM blocking); 10x margin
+        torch.testing.assert_close(torch.tensor(a.behav_logprobs), torch.tensor(b.behav_logprobs), atol=1e-5, rtol=0)
+
+
+def test_keys_and_seed_decide_the_samples():
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=3)
+    a = _engine(seed=4).generate(PROMPTS, sampling, keys=[10, 11, 12, 13, 14])
+    assert _ids(a) == _ids(_engine(seed=4).generate(PROMPTS, sampling, keys=[10, 11, 12, 13, 14]))
+    assert _ids(a) != _ids(_engine(seed=5).generate(PROMPTS, sampling, keys=[10, 11, 12, 13, 14]))
+    assert _ids(a)[1:] != _ids(_engine(seed=4).generate(PROMPTS, sampling, keys=[20, 21, 22, 23, 24]))[1:]
+    # the samples of one group differ from each other (each has its own stream)
+    assert len(set(_ids(a)[3])) == 3
+    # without keys, consecutive calls continue the numbering (and state_dict carries it)
+    engine = _engine(seed=4)
+    engine.generate(PROMPTS[:2], sampling)
+    state = engine.state_dict()
+    later = engine.generate(PROMPTS, sampling)
+    resumed = _engine(seed=4)
+    resumed.load_state_dict(state)
+    assert _ids(resumed.generate(PROMPTS, sampling)) == _ids(later)
+    assert _ids(later) == _ids(_engine(seed=4).generate(PROMPTS, sampling, keys=[2, 3, 4, 5, 6]))
+
+
+def test_stop_tokens_end_samples_and_set_finish_reason():
+    engine = _engine(max_batch_size=3, decode_steps_per_sync=4)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
-    full = [s[0].response_ids for s in engine.generate(PROMPTS, greedy)]
-    # Stop on a token that prompt 0 first produces at step j > 0 (unseen before j).
+    full = [g[0].response_ids for g in engine.generate(PROMPTS, greedy)]
+    # a stop token that prompt 0 first produces at step j > 0 (unseen before j)
     j = next(i for i in range(1, 10) if full[0][i] not in full[0][:i])
     stop = full[0][j]
     out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop]))
@@ -86,30 +144,33 @@ def test_stop_token_ends_generation():
         if stop in before:
             end = before.index(stop) + 1
             assert sample.response_ids == before[:end] and sample.finish_reason == "stop"
-            assert sample.response_ids[-1] == stop and len(sample.behav_logprobs) == end
+            assert len(sample.behav_logprobs) == end == len(sample.token_versions)
         else:
             assert sample.response_ids == before and sample.finish_reason == "length"
     assert out[0][0].response_ids == full[0][: j + 1]
+    # a stop token sampled as the very first token ends the sample at once
+    first = full[1][0]
+    one = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[first]))
+    assert one[0][0].response_ids == (first,) and one[0][0].finish_reason == "stop"
 
 
-def test_seeded_sampling_is_reproducible():
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=3)
-    a = _engine(seed=4).generate(PROMPTS, sampling)
-    b = _engine(seed=4).generate(PROMPTS, sampling)
-    c = _engine(seed=5).generate(PROMPTS, sampling)
-    ids = lambda out: [[s.response_ids for s in g] for g in out]  # noqa: E731
-    assert ids(a) == ids(b)
-    assert ids(a) != ids(c)
+def test_groups_larger_than_the_cache_and_chunked_prefill():
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, n=5)
+    reference = _engine(max_batch_size=16).generate(PROMPTS, sampling, keys=[0, 1, 2, 3, 4])
+    # 2 slots for groups of 5: each group is admitted in parts; prompts prefilled 3 tokens at a time
+    small = _engine(max_batch_size=2, prefill_tokens=3).generate(PROMPTS, sampling, keys=[0, 1, 2, 3, 4])
+    assert _ids(small) == _ids(reference)
 
 
-def test_update_weights_copies_and_validates():
+def test_update_weights_copies_in_place_and_validates():
     engine = BuiltinRollout(CFG, seed=0)
-    src = Transformer(CFG)
-    src.init_weights(99)
+    storage = {name: p.data_ptr() for name, p in engine.model.state_dict().items()}
+    src = _weights(99, scale=1.0)
     engine.update_weights(iter_hf_weights(src), version=7)
     assert engine.version == 7
     for (name, a), b in zip(src.state_dict().items(), engine.model.state_dict().values()):
         assert torch.equal(a, b), name
+    assert {name: p.data_ptr() for name, p in engine.model.state_dict().items()} == storage
     partial = [(n, t) for n, t in iter_hf_weights(src) if "layers.1." not in n]
     with pytest.raises(ValueError, match="unset"):
         engine.update_weights(partial, version=8)
@@ -117,7 +178,36 @@ def test_update_weights_copies_and_validates():
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))], version=8)
     # The tied head an HF exporter may send is accepted and ignored.
     engine.update_weights([*iter_hf_weights(src), ("lm_head.weight", src.embed_tokens.weight)], 9)
-    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0][0].version == 9
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = engine.generate([[1, 2]], greedy)[0][0]
+    assert before.version == 9
+    # new weights take effect at the next call
+    engine.update_weights(iter_hf_weights(_weights()), version=10)
+    after = engine.generate([[1, 2]], greedy)[0][0]
+    assert after.version == 10 and after.response_ids != before.response_ids
+
+
+def test_weights_changed_between_steps_tag_tokens_with_versions():
+    engine = _engine(max_batch_size=4, decode_steps_per_sync=2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+    core = engine._core_for(16, 1)
+    core.configure(sampling, engine.version)
+    from slipstream.rollout.core import Request
+
+    core.add([Request((1, 17, 23), (6,), key=0)])
+    core.step()  # prefill: token 0
+    core.step()  # decode: tokens 1, 2
+    engine.update_weights(iter_hf_weights(_weights(7)), version=4)
+    finished = []
+    while core.has_work:
+        finished += core.step()
+    (seq,) = finished
+    assert seq.versions == [3, 3, 3, 4, 4, 4]
+    # the first tokens are the old weights' greedy ones; the new weights change what follows (the
+    # prefix keeps its cached keys / values from the old weights, so the continuation is not a fresh
+    # forward of the new model)
+    old = _engine().generate([[1, 17, 23]], sampling)[0][0].response_ids
+    assert tuple(seq.tokens[:3]) == old[:3] and tuple(seq.tokens[3:]) != old[3:]
 
 
 def test_filter_logits_hand_computed():
@@ -132,13 +222,75 @@ def test_filter_logits_hand_computed():
     # Order in the vocabulary must not matter.
     shuffled = logits[:, [2, 0, 3, 1]]
     assert kept(filter_logits(shuffled, top_k=0, top_p=0.8)) == [False, True, False, True]
+    # Ties at the cut are all kept: the mass reaches 0.6 at a 0.3 token, so both 0.3 tokens stay.
+    tied = torch.tensor([[0.4, 0.3, 0.3]]).log()
+    assert kept(filter_logits(tied, top_k=0, top_p=0.6)) == [True, True, True]
+    assert kept(filter_logits(tied, top_k=1, top_p=1.0)) == [True, False, False]
+
+
+def test_top_p_threshold_equals_the_sorted_rule():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        probs = (torch.randn(6, 300, generator=gen) * 3).softmax(-1)
+        top_p = float(torch.rand(1, generator=gen)) * 0.98 + 0.01
+        ordered = probs.sort(dim=-1, descending=True).values
+        reach = (ordered.cumsum(-1) >= top_p).float().argmax(-1, keepdim=True)  # first index reaching top_p
+        expected = ordered.gather(-1, reach)
+        got = top_p_threshold(probs, torch.tensor(top_p))
+        # the cumsum and the masked sum add in different orders: a cut exactly at a rounding boundary may move
+        # by one token; measured: equal in all 120 rows
+        assert torch.equal(got, expected)
+
+
+def test_gumbel_sampling_draws_from_the_filtered_softmax():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = probs.log()[None].expand(40_000, -1)
+    hashes = vocab_hashes(6, "cpu")
+    seeds = torch.arange(40_000, dtype=torch.int64) * 7919 % (1 << 32)
+    index = torch.zeros(40_000, dtype=torch.int64)
+
+    def freqs(**kw):
+        tokens, logprobs = sample_tokens(logits, 1.0, seeds, index, hashes, greedy=False, **kw)
+        torch.testing.assert_close(logprobs, probs.log()[tokens])  # untruncated log-probs
+        return torch.bincount(tokens, minlength=6).float() / tokens.numel()
+
+    # 40k draws: standard error <= 0.0025; 4 standard errors
+    torch.testing.assert_close(freqs(), probs, atol=0.01, rtol=0)
+    top2 = torch.tensor([0.4, 0.25, 0, 0, 0, 0]) / 0.65
+    torch.testing.assert_close(freqs(top_k=2), top2, atol=0.01, rtol=0)
+    torch.testing.assert_close(freqs(top_p=torch.tensor(0.6)), top2, atol=0.01, rtol=0)
+    # the next response position draws independently of this one
+    again, _ = sample_tokens(logits, 1.0, seeds, index + 1, hashes, greedy=False)
+    first, _ = sample_tokens(logits, 1.0, seeds, index, hashes, greedy=False)
+    assert 0.2 < (again == first).float().mean() < 0.3  # sum p^2 = 0.25 for independent draws
 
 
 def test_sample_tokens_greedy_logprob_is_untempered():
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
-    tok, lp = sample_tokens(logits, SamplingParams(temperature=0.0), None)
+    tok, lp = sample_tokens(logits, 0.5, None, None, None, greedy=True)
     assert tok.tolist() == [0, 1]
     torch.testing.assert_close(lp, logits.log_softmax(-1)[[0, 1], [0, 1]])
+
+
+def test_slot_cache_copies_prefixes_and_recycles_slots():
+    cache = SlotCache(CFG, num_slots=3, slot_len=8, device=torch.device("cpu"), dtype=torch.float32)
+    cache.k.normal_()
+    a, b, c = cache.allocate(3)
+    assert (a, b, c) == (0, 1, 2) and cache.num_free == 0
+    cache.copy_prefix([a, a], [b, c], 5)
+    rows = lambda s, n: cache.k[:, cache.base(s) : cache.base(s) + n]  # noqa: E731
+    assert torch.equal(rows(b, 5), rows(a, 5)) and torch.equal(rows(c, 5), rows(a, 5))
+    assert not torch.equal(rows(b, 8), rows(a, 8))
+    cache.release([b])
+    assert cache.allocate(1) == [b]
+    with pytest.raises(ValueError, match="free"):
+        cache.allocate(1)
+
+
+def test_decode_buckets_cover_every_batch_size():
+    for max_rows in (1, 5, 64, 100, 256, 1000):
+        buckets = decode_buckets(max_rows)
+        assert buckets[-1] == max_rows and buckets == sorted(set(buckets)) and buckets[0] == 1
 
 
 def test_sampling_params_validation():
@@ -148,3 +300,5 @@ def test_sampling_params_validation():
     assert SamplingParams(stop_token_ids=[2, 5]).stop_token_ids == (2, 5)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         _engine().generate([[1] * 10], SamplingParams(max_new_tokens=CFG.max_position_embeddings))
+    with pytest.raises(ValueError, match="at least one token"):
+        _engine().generate([[]], SamplingParams())

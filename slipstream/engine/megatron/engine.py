@@ -60,7 +60,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection, MegatronLayout
-from slipstream.engine.base import LogProbOutput, LossFn
+from slipstream.engine.base import LogProbOutput, LossFn, accumulate_metrics, reduce_metrics
 from slipstream.engine.distributed import check_same_on_all_ranks, init_distributed, warn_if_other_device
 from slipstream.engine.local import _oom_advice, count_loss_tokens, make_norm
 from slipstream.engine.megatron import provider
@@ -365,21 +365,20 @@ class MegatronEngine:
         def head(mb: PackedBatch, hidden: torch.Tensor):
             logprobs, entropy = self._logprobs(mb, hidden, loss_fn.needs_entropy)
             loss, metrics = loss_fn(logprobs, entropy, mb, norm)
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value.detach().float()
+            accumulate_metrics(totals, metrics)
             return loss, mb.loss_mask.sum().to(torch.int), {}
 
         with _oom_advice("actor.max_tokens_per_mb", micro_batches), self._compat():
             self._run_schedule(micro_batches, head, forward_only=False)
-        # one host sync for all metrics of the minibatch (sorted keys: the same order on every rank)
-        keys = sorted(totals)
-        values = []
-        if keys:
-            stacked = torch.stack([torch.as_tensor(totals[k], device=self.device) for k in keys])
-            if self.dp_size > 1:
-                dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-            values = stacked.tolist()
-        result = dict(zip(keys, values))
+        def over_ranks(op):
+            def reduce(values: torch.Tensor) -> torch.Tensor:
+                if self.dp_size > 1:
+                    dist.all_reduce(values, op=op, group=parallel_state.get_data_parallel_group())
+                return values
+
+            return reduce
+
+        result = reduce_metrics(totals, self.device, over_ranks(dist.ReduceOp.SUM), over_ranks(dist.ReduceOp.MAX))
         result["actor/num_loss_tokens"] = float(norm.num_loss_tokens)
         result["actor/num_micro_batches"] = float(len(micro_batches))
         return result

@@ -1,0 +1,255 @@
+"""The rollout engine core: requests -> scheduler -> slots over the KV cache -> finished sequences.
+
+    add(requests)   each request = one prompt, n samples, a budget per sample, a randomness key
+    step()          either admits waiting groups (prefill) or decodes the running rows for up to
+                    `ring` tokens, then returns the sequences that finished
+
+Admission: a group's samples take free slots together; its prompt is prefilled once, into the
+first slot, and its KV copied to the others (a group larger than the cache is admitted in parts).
+Prefill packs prompts up to `prefill_tokens` per forward and cuts longer prompts into chunks.
+Decoding: every running row advances by one token per step, with no host involvement between the
+host's looks every `ring` steps (CUDA graphs on the GPU); a row that stops or reaches its budget
+frees its slot at the next look, and the next waiting group takes it (continuous batching).
+
+Each token records the policy version that sampled it: weights can change between two steps
+(in place, see BuiltinRollout.update_weights), and the rows continue with the new weights.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from slipstream.rollout.base import SamplingParams
+from slipstream.rollout.kv_cache import SlotCache
+from slipstream.rollout.model_runner import DecodeState, ModelRunner
+from slipstream.rollout.sampler import row_seed, sampling_mode
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to sample `len(budgets)` completions of."""
+
+    prompt: tuple[int, ...]
+    budgets: tuple[int, ...]
+    """max_new_tokens of each sample."""
+    key: int
+    """Randomness key: the prompt's position in the data stream (with the sampler seed and the sample index it
+    decides every random draw of the sample)."""
+    tag: object = None
+    """Caller's handle, returned with the finished sequences."""
+
+
+@dataclass
+class Sequence:
+    """One sample in flight: its slot, and the tokens, log-probs and policy versions sampled so far."""
+
+    request: Request
+    index: int
+    seed: int
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.request.budgets[self.index]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Batch sizes that get a CUDA graph: fine steps where the batch is small (the long tail of an RL
+    step), coarser ones above. A batch runs in the smallest bucket that holds it."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64] + list(range(80, 257, 16)) + list(range(288, 4097, 32))
+    return sorted({s for s in sizes if s < max_rows} | {max_rows})
+
+
+class EngineCore:
+    """Schedules sequences over a `SlotCache` and runs them with a `ModelRunner`."""
+
+    def __init__(self, runner: ModelRunner, cache: SlotCache, seed: int, prefill_tokens: int, ring: int) -> None:
+        self.runner, self.cache = runner, cache
+        self.seed, self.prefill_tokens, self.ring = seed, prefill_tokens, ring
+        self.state = DecodeState(cache.num_slots, ring, runner.device)
+        self.buckets = decode_buckets(cache.num_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._reload = True  # the running set changed since the device state was loaded
+        self.version = 0
+        self.sampling = SamplingParams()
+        self.mode = sampling_mode(self.sampling)
+        self._stop: frozenset[int] = frozenset()
+
+    # ------------------------------------------------------------------ requests
+    def configure(self, sampling: SamplingParams, version: int) -> None:
+        """Sampling parameters and policy version for the next steps (n and max_new_tokens are per request)."""
+        self.sampling, self.mode, self.version = sampling, sampling_mode(sampling), version
+        self._stop = frozenset(sampling.stop_token_ids)
+        self.state.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
+        self.state.top_p.fill_(sampling.top_p)
+
+    def add(self, requests: list[Request]) -> None:
+        for req in requests:
+            if len(req.prompt) + max(req.budgets) > self.cache.slot_len:
+                raise ValueError(
+                    f"prompt ({len(req.prompt)}) + max_new_tokens ({max(req.budgets)}) does not fit a cache slot "
+                    f"of {self.cache.slot_len} tokens"
+                )
+            for i in range(len(req.budgets)):
+                self.waiting.append(Sequence(req, i, row_seed(self.seed, req.key, i)))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one scheduling step
+    def step(self) -> list[Sequence]:
+        """Prefill newly admitted groups if any can start, else decode; returns the sequences that finished."""
+        if self.waiting and self.cache.num_free:
+            admitted = self._admit()
+            if admitted:
+                return self._prefill(admitted)
+        if self.running:
+            return self._decode()
+        return []
+
+    def _admit(self) -> list[list[Sequence]]:
+        """Groups (samples of one request, in order) that take free slots now, within the prefill budget."""
+        groups: list[list[Sequence]] = []
+        tokens = 0
+        while self.waiting and self.cache.num_free:
+            head = self.waiting[0]
+            if groups and tokens + head.prompt_len > self.prefill_tokens:
+                break
+            need = sum(1 for _ in itertools.takewhile(lambda s: s.request is head.request, self.waiting))
+            if self.cache.num_free < need <= self.cache.num_slots:
+                break  # wait until the whole group fits: its prompt is then prefilled once
+            group = []
+            while (self.waiting and self.cache.num_free and self.waiting[0].request is head.request):
+                seq = self.waiting.popleft()
+                seq.slot = self.cache.allocate(1)[0]
+                group.append(seq)
+            groups.append(group)
+            tokens += head.prompt_len
+        return groups
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, groups: list[list[Sequence]]) -> list[Sequence]:
+        """Prefill each group's prompt once (into its first sample's slot), copy it to the other slots,
+        and sample every sample's first token from the prompt's last position."""
+        last_hidden = self._prefill_prompts([(g[0].slot, g[0].request.prompt) for g in groups])
+        sources, targets, longest = [], [], 0
+        for g in groups:
+            for seq in g[1:]:
+                sources.append(g[0].slot)
+                targets.append(seq.slot)
+            longest = max(longest, g[0].prompt_len)
+        self.cache.copy_prefix(sources, targets, longest)
+
+        seqs = [seq for g in groups for seq in g]
+        rows = torch.cat([last_hidden[i].expand(len(g), -1) for i, g in enumerate(groups)])
+        dev = self.runner.device
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        first = torch.zeros(len(seqs), dtype=torch.int64, device=dev)
+        tokens, logprobs = self.runner.sample(self.runner.logits(rows), self.state, seeds, first, self.mode)
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().tolist()
+        self.running.extend(seqs)
+        self._reload = True
+        return self._append(seqs, [[int(t)] for t in both[0]], [[lp] for lp in both[1]])
+
+    def _prefill_prompts(self, items: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
+        """Write the KV of each (slot, prompt) into the cache; returns the last position's hidden (P, H).
+
+        The prompts' tokens are packed into forwards of at most `prefill_tokens`; a prompt that
+        straddles two forwards continues in the second one, whose queries attend to the part the
+        first one wrote (bottom-right causal attention over the slot)."""
+        cache, dev = self.cache, self.runner.device
+        last: list[torch.Tensor | None] = [None] * len(items)
+        pending = [(i, slot, prompt, 0) for i, (slot, prompt) in enumerate(items)]
+        while pending:
+            budget, batch, rest = self.prefill_tokens, [], []
+            for i, slot, prompt, start in pending:
+                if budget <= 0:
+                    rest.append((i, slot, prompt, start))
+                    continue
+                end = min(len(prompt), start + budget)
+                batch.append((i, slot, prompt, start, end))
+                budget -= end - start
+                if end < len(prompt):
+                    rest.append((i, slot, prompt, end))
+            ids, pos, write, cu_q, cu_k, used = [], [], [], [0], [], []
+            for i, slot, prompt, start, end in batch:
+                ids.extend(prompt[start:end])
+                pos.extend(range(start, end))
+                write.extend(range(cache.base(slot) + start, cache.base(slot) + end))
+                cu_q.append(cu_q[-1] + end - start)
+                cu_k.append(cache.base(slot))
+                used.append(end)
+            as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+            as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+            hidden = self.runner.forward(
+                cache, as_long(ids), as_long(pos), as_long(write), as_int(cu_q), as_int(cu_k + [cache.k.shape[1]]),
+                as_int(used), max(e - s for _, _, _, s, e in batch), causal=True,
+            )  # fmt: skip
+            for j, (i, _, prompt, _, end) in enumerate(batch):
+                if end == len(prompt):
+                    last[i] = hidden[cu_q[j + 1] - 1]
+            pending = rest
+        return torch.stack(last)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self) -> list[Sequence]:
+        rows = self.running
+        bucket = self.buckets[bisect.bisect_left(self.buckets, len(rows))]
+        if self._reload:
+            self.state.load(
+                {
+                    "input_ids": [s.tokens[-1] for s in rows],
+                    "positions": [s.prompt_len + len(s.tokens) - 1 for s in rows],
+                    "bases": [self.cache.base(s.slot) for s in rows],
+                    "seeds": [s.seed for s in rows],
+                    "token_index": [len(s.tokens) for s in rows],
+                },
+                bucket,
+                self.cache,
+            )  # fmt: skip
+            self._reload = False
+        else:
+            self.state.step.zero_()
+        # no more steps than the longest remaining budget needs
+        steps = min(self.ring, max(s.budget - len(s.tokens) for s in rows))
+        self.runner.run_decode(self.cache, self.state, bucket, self.mode, steps)
+        tokens, logprobs = self.state.read(len(rows), steps)
+        columns = lambda table: [[table[k][r] for k in range(steps)] for r in range(len(rows))]  # noqa: E731
+        return self._append(rows, columns(tokens), columns(logprobs))
+
+    def _append(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]]) -> list[Sequence]:
+        """Append each sequence's new tokens up to a stop token or its budget; release finished slots."""
+        finished = []
+        for seq, toks, lps in zip(seqs, tokens, logprobs):
+            for tok, lp in zip(toks, lps):
+                seq.tokens.append(tok)
+                seq.logprobs.append(lp)
+                seq.versions.append(self.version)
+                if tok in self._stop:
+                    seq.finish_reason = "stop"
+                elif len(seq.tokens) >= seq.budget:
+                    seq.finish_reason = "length"
+                if seq.finish_reason:
+                    finished.append(seq)
+                    break
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+            self.cache.release([s.slot for s in finished])
+            self._reload = True
+        return finished

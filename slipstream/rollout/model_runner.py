@@ -1,0 +1,218 @@
+"""Run the policy over the slot cache: packed prefill, and decode steps replayed from CUDA graphs.
+
+The forward uses the native `Transformer`'s own modules (norms, projections, RoPE) and replaces
+only the attention, which reads the slot cache through `ops/attention.py:cache_attention`. Each
+decoder layer is split at the attention into two pure functions (pre: norm, q/k/v, q/k norm,
+RoPE; post: output projection, residual, norm, MLP, residual); with `compile` they run under
+torch.compile (dynamic shapes: one compilation serves every layer, batch size and prompt length),
+which fuses their pointwise work. The cache write and the attention run between them.
+
+A decode step is the whole token step for a batch of B slots: embed, every layer, final norm, LM
+head in fp32, sampling on the device, then the state advance (next input token, position,
+response index) written into the step's own input buffers. So the step can be replayed k times
+without the host; `DecodeState` holds those buffers and the (k, B) output ring the host reads
+after k steps. On CUDA each (batch bucket, sampling mode) is captured once into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
+from slipstream.ops.attention import cache_attention
+from slipstream.ops.logprobs import mm_fp32
+from slipstream.rollout.kv_cache import SlotCache
+from slipstream.rollout.sampler import sample_tokens, vocab_hashes
+
+
+def _pre_attention(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(T, H) hidden -> q (T, Hq, D), k / v (T, Hkv, D) of one layer, RoPE applied."""
+    return layer.self_attn._qkv(layer.input_layernorm(h), cos, sin)
+
+
+def _post_attention(layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Residual stream after one layer, from its input (T, H) and its attention output (T, Hq, D)."""
+    h = h + layer.self_attn.o_proj(attn.flatten(-2))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class ModelRunner:
+    """Forward passes of `model` over a `SlotCache`; owns the compiled layer halves and the decode graphs."""
+
+    def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool = False) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.compile = compile
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        pre, post, sample = _pre_attention, _post_attention, sample_tokens
+        if compile:
+            pre = torch.compile(pre, dynamic=True)
+            post = torch.compile(post, dynamic=True)
+            sample = torch.compile(sample, dynamic=True)
+        self._pre, self._post, self._sample = pre, post, sample
+        positions = torch.arange(self.cfg.max_position_embeddings, device=self.device)
+        # RoPE tables indexed by position: the same values the training forward computes per call
+        self.cos, self.sin = rope_cos_sin(positions, rope_inv_freq(self.cfg, self.device), self.dtype)
+        self.vocab_hash = vocab_hashes(self.cfg.vocab_size, self.device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        cache: SlotCache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_index: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        seqused_k: torch.Tensor,
+        max_seqlen_q: int,
+        causal: bool,
+    ) -> torch.Tensor:
+        """Final-normed hidden (T, H) of packed new tokens (T,); their k/v go to cache rows `write_index` (T,)."""
+        model = self.model
+        h = model.embed_tokens(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(model.layers):
+            q, k, v = self._pre(layer, h, cos, sin)
+            cache.k[i].index_copy_(0, write_index, k)
+            cache.v[i].index_copy_(0, write_index, v)
+            attn = cache_attention(
+                q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal
+            )
+            h = self._post(layer, h, attn)
+        return model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from an fp32-accumulated matmul, as the trainer's fused log-prob op computes them."""
+        return mm_fp32(hidden, self.model.lm_head_weight.t())
+
+    def sample(self, logits, state: "DecodeState", seeds, token_index, mode: tuple[bool, int, bool]):
+        greedy, top_k, use_top_p = mode
+        top_p = state.top_p if use_top_p else 1.0
+        return self._sample(logits, state.temperature, seeds, token_index, self.vocab_hash, greedy, top_k, top_p)
+
+    # ------------------------------------------------------------------ decode
+    def decode_step(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple[bool, int, bool]) -> None:
+        """One token for the first `batch` rows of `state`, all on the device; outputs go to the ring."""
+        s = state
+        pos = s.positions[:batch]
+        # a row past its slot's end (finished, waiting for the host to notice) rewrites the slot's
+        # last row instead of spilling into the next slot
+        in_slot = pos.clamp(max=cache.slot_len - 1)
+        s.seqused[:batch].copy_(in_slot + 1)
+        hidden = self.forward(
+            cache, s.input_ids[:batch], in_slot, s.bases[:batch] + in_slot, s.cu_q[: batch + 1],
+            s.cu_k[: batch + 1], s.seqused[:batch], 1, causal=False,
+        )  # fmt: skip
+        tokens, logprobs = self.sample(self.logits(hidden), s, s.seeds[:batch], s.token_index[:batch], mode)
+        s.out_tokens[:, :batch].index_copy_(0, s.step, tokens[None])
+        s.out_logprobs[:, :batch].index_copy_(0, s.step, logprobs[None])
+        s.input_ids[:batch].copy_(tokens)
+        s.positions[:batch].add_(1)
+        s.token_index[:batch].add_(1)
+        s.step.add_(1)
+
+    def run_decode(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple, steps: int) -> None:
+        """`steps` decode steps for `batch` rows (padded to its bucket by the caller); graphs on CUDA."""
+        if not self.cuda_graphs:
+            for _ in range(steps):
+                self.decode_step(cache, state, batch, mode)
+            return
+        graph = self.graphs.get((batch, mode))
+        if graph is None:
+            graph = self._capture(cache, state, batch, mode)
+        for _ in range(steps):
+            graph.replay()
+
+    def _capture(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple) -> torch.cuda.CUDAGraph:
+        """Capture one decode step of `batch` rows. The warm-up runs on a copy of the live state, so
+        capturing in the middle of a generation changes nothing but the graph table."""
+        saved = state.snapshot()
+        state.point_at_scratch(cache, batch)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles (first call) and lets autotuned kernels settle
+                self.decode_step(cache, state, batch, mode)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        state.point_at_scratch(cache, batch)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.decode_step(cache, state, batch, mode)
+        state.restore(saved)
+        self.graphs[(batch, mode)] = graph
+        return graph
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (the cache or the state buffers they point at are gone)."""
+        self.graphs.clear()
+        self._pool = None
+
+
+class DecodeState:
+    """Device buffers of the rows being decoded: inputs of the next step and the output ring.
+
+    Row r decodes the sequence in cache slot `bases[r] / slot_len`: its next input token, that
+    token's position (= its row in the slot), its 32-bit sampling seed and the index of the
+    response token being sampled. `out_tokens` / `out_logprobs` (k, rows) take one row per step.
+    """
+
+    def __init__(self, max_rows: int, ring: int, device: torch.device) -> None:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.max_rows, self.ring = max_rows, ring
+        self.input_ids, self.positions, self.bases = zeros(max_rows), zeros(max_rows), zeros(max_rows)
+        self.seeds, self.token_index = zeros(max_rows), zeros(max_rows)
+        self.seqused = zeros(max_rows, dtype=torch.int32)
+        self.cu_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one query per row
+        self.cu_k = zeros(max_rows + 1, dtype=torch.int32)  # [:rows] = bases; the last entry is never read
+        self.out_tokens, self.out_logprobs = zeros(ring, max_rows), zeros(ring, max_rows, dtype=torch.float32)
+        self.step = zeros(1)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+
+    _ROW_FIELDS = ("input_ids", "positions", "bases", "seeds", "token_index")
+
+    def load(self, rows: dict[str, list[int]], bucket: int, cache: SlotCache) -> None:
+        """Fill the first len(rows) rows from host lists; rows up to `bucket` point at the scratch slot."""
+        n = len(rows["bases"])
+        pad = bucket - n
+        scratch = cache.base(cache.scratch_slot)
+        host = {name: rows[name] + [scratch if name == "bases" else 0] * pad for name in self._ROW_FIELDS}
+        packed = torch.tensor([host[name] for name in self._ROW_FIELDS], dtype=torch.int64)
+        packed = packed.to(self.input_ids.device, non_blocking=True)
+        for i, name in enumerate(self._ROW_FIELDS):
+            getattr(self, name)[:bucket].copy_(packed[i])
+        self.cu_k[:bucket].copy_(packed[self._ROW_FIELDS.index("bases")])
+        self.step.zero_()
+
+    def point_at_scratch(self, cache: SlotCache, rows: int) -> None:
+        for name in self._ROW_FIELDS:
+            getattr(self, name)[:rows].zero_()
+        self.bases[:rows].fill_(cache.base(cache.scratch_slot))
+        self.cu_k[:rows].fill_(cache.base(cache.scratch_slot))
+        self.step.zero_()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).clone() for name in (*self._ROW_FIELDS, "cu_k", "step")}
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        for name, value in saved.items():
+            getattr(self, name).copy_(value)
+
+    def read(self, rows: int, steps: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The ring's first `steps` outputs of the first `rows` rows, as host lists [step][row].
+
+        Tokens and the bits of the fp32 log-probs travel in one int32 tensor: one device sync.
+        """
+        both = torch.stack(
+            [self.out_tokens[:steps, :rows].to(torch.int32), self.out_logprobs[:steps, :rows].view(torch.int32)]
+        ).cpu()
+        return both[0].tolist(), both[1].view(torch.float32).tolist()
