@@ -69,6 +69,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--resume", action="store_true",
                    help="keep the rows already in OUT/results.jsonl for this spec and run only the missing cells")  # fmt: skip
     m.set_defaults(func=run_matrix_command)
+    from slipstream.bench.rollout import add_rollout_parser
+
+    add_rollout_parser(sub)
     return p
 
 

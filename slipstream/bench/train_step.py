@@ -65,8 +65,9 @@ def env_info() -> dict:
     """Where and how a result was produced: device, library versions, git commit, command line."""
     import transformers  # imported here: only result writers need its version
 
+    commit = os.environ.get("SLIPSTREAM_COMMIT")  # a copy without .git (the GPU machine) is told its commit
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
             cwd=os.path.dirname(os.path.abspath(__file__)),
         ).stdout.strip() or None  # fmt: skip

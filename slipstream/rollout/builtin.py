@@ -12,6 +12,7 @@ happen once, on first use at a shape, and are reported as `startup_s`, apart fro
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -115,6 +116,14 @@ class BuiltinRollout:
             self._asleep = False
 
     # ------------------------------------------------------------------ generation
+    def warmup(self, sampling: SamplingParams) -> float:
+        """Compile the layer halves and the sampler on a throwaway request (dynamic shapes: once for every
+        later shape); returns the seconds it took. Without it the first generation pays for it."""
+        start = time.perf_counter()
+        self.generate([[1, 2, 3, 4]], replace(sampling, n=3, max_new_tokens=4), keys=[-1])
+        self.startup_s += time.perf_counter() - start
+        return time.perf_counter() - start
+
     def generate(
         self,
         prompts: list[list[int]],

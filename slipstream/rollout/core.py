@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -66,6 +67,19 @@ class Sequence:
         return len(self.request.prompt)
 
 
+@dataclass
+class EngineStats:
+    """Where generation time goes (seconds exclude graph capture; see ModelRunner.capture_s)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    """Decode steps run (each advances every row of the batch by one token)."""
+    decode_row_steps: int = 0
+    """Sum over decode steps of the rows that were live at the step's start."""
+
+
 def decode_buckets(max_rows: int) -> list[int]:
     """Batch sizes that get a CUDA graph: fine steps where the batch is small (the long tail of an RL
     step), coarser ones above. A batch runs in the smallest bucket that holds it."""
@@ -88,6 +102,7 @@ class EngineCore:
         self.sampling = SamplingParams()
         self.mode = sampling_mode(self.sampling)
         self._stop: frozenset[int] = frozenset()
+        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
     def configure(self, sampling: SamplingParams, version: int) -> None:
@@ -112,14 +127,25 @@ class EngineCore:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one scheduling step
+    @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """Prefill newly admitted groups if any can start, else decode; returns the sequences that finished."""
+        """Prefill newly admitted groups if any can start, else decode; returns the sequences that finished.
+
+        Each step ends with one device-to-host copy (the sampled tokens), so its wall time is its
+        device time; graph captures inside it are counted apart (ModelRunner.capture_s).
+        """
+        start, capture = time.perf_counter(), self.runner.capture_s
         if self.waiting and self.cache.num_free:
             admitted = self._admit()
             if admitted:
-                return self._prefill(admitted)
+                finished = self._prefill(admitted)
+                self.stats.prefill_s += time.perf_counter() - start - (self.runner.capture_s - capture)
+                self.stats.prefill_tokens += sum(g[0].prompt_len for g in admitted)
+                return finished
         if self.running:
-            return self._decode()
+            finished = self._decode()
+            self.stats.decode_s += time.perf_counter() - start - (self.runner.capture_s - capture)
+            return finished
         return []
 
     def _admit(self) -> list[list[Sequence]]:
@@ -228,6 +254,8 @@ class EngineCore:
         # no more steps than the longest remaining budget needs
         steps = min(self.ring, max(s.budget - len(s.tokens) for s in rows))
         self.runner.run_decode(self.cache, self.state, bucket, self.mode, steps)
+        self.stats.decode_steps += steps
+        self.stats.decode_row_steps += steps * len(rows)
         tokens, logprobs = self.state.read(len(rows), steps)
         columns = lambda table: [[table[k][r] for k in range(steps)] for r in range(len(rows))]  # noqa: E731
         return self._append(rows, columns(tokens), columns(logprobs))

@@ -16,6 +16,8 @@ after k steps. On CUDA each (batch bucket, sampling mode) is captured once into 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
@@ -58,6 +60,8 @@ class ModelRunner:
         self.vocab_hash = vocab_hashes(self.cfg.vocab_size, self.device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.capture_s = 0.0
+        """Seconds spent capturing decode graphs (with their warm-up runs, which compile new shapes)."""
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -131,6 +135,7 @@ class ModelRunner:
     def _capture(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple) -> torch.cuda.CUDAGraph:
         """Capture one decode step of `batch` rows. The warm-up runs on a copy of the live state, so
         capturing in the middle of a generation changes nothing but the graph table."""
+        start = time.perf_counter()
         saved = state.snapshot()
         state.point_at_scratch(cache, batch)
         stream = torch.cuda.Stream(self.device)
@@ -147,6 +152,8 @@ class ModelRunner:
             self.decode_step(cache, state, batch, mode)
         state.restore(saved)
         self.graphs[(batch, mode)] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - start
         return graph
 
     def drop_graphs(self) -> None:

@@ -1,0 +1,362 @@
+"""`slipstream bench rollout`: generation speed of the builtin engine against the memory-bandwidth bound.
+
+Workloads (random weights of a named preset; FLOPs and bytes do not depend on the weights):
+  fixed     B samples = B / group prompts of `prompt_len` random ids, each sampled `group` times,
+            `new_tokens` each, no stop tokens, temperature 1
+  w1        8 prompts x 8 samples of 512 tokens, per-sample budgets linspace(256, 3584): the
+            response lengths of the W1 training workload (bench/workloads.py)
+  nanovllm  nano-vllm's bench.py: random.seed(0), 256 prompts of randint(100, 1024) ids in
+            [0, 10000], then max_tokens randint(100, 1024) each (133,966 tokens), stop ignored
+
+Each case runs twice: a first call (shapes the engine has not seen: an RL step always runs at
+new shapes) and a repeat. tok/s = response tokens / wall time of the whole call (prefill
+included); graph capture (and the compilation its warm-up triggers) is start-up time, reported
+as `startup_s` and excluded, as is the engine's warm-up compile.
+
+Bandwidth bound (decode only), per decode step: every weight is read once, plus the keys and
+values of every live sample at its current context; bound tok/s = response tokens / (sum over
+steps of those bytes / HBM bandwidth). `--peer hf` runs transformers' `generate` (dynamic cache;
+static cache + torch.compile) on the same prompts in the same process; its compile and warm-up
+are counted apart too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from slipstream.models.config import ModelConfig
+from slipstream.models.presets import get_preset
+from slipstream.rollout.base import SamplingParams
+from slipstream.rollout.kv_cache import kv_bytes_per_token
+
+# HBM bandwidth (bytes/s) by device name substring, first match wins (datasheet figures).
+HBM_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("H200", 4.8e12),
+    ("H100 PCIE", 2.0e12),
+    ("H100", 3.35e12),
+    ("H800", 3.35e12),
+    ("A100", 2.039e12),
+    ("A800", 2.039e12),
+    ("L40S", 0.864e12),
+)
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    name = device_name.upper().replace("-", " ")
+    return next((bw for key, bw in HBM_BANDWIDTH if key in name), None)
+
+
+@dataclass(frozen=True)
+class RolloutCase:
+    """Prompts and per-sample budgets of one benchmark case."""
+
+    name: str
+    prompts: list[list[int]]
+    budgets: list[list[int]]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(b) for b in self.budgets)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(sum(b) for b in self.budgets)
+
+
+def fixed_case(batch: int, prompt_len: int, new_tokens: int, group: int, seed: int = 0) -> RolloutCase:
+    if batch % group:
+        raise ValueError(f"batch {batch} must be a multiple of the group size {group}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10_000) for _ in range(prompt_len)] for _ in range(batch // group)]
+    return RolloutCase(f"fixed-b{batch}-p{prompt_len}-n{new_tokens}", prompts, [[new_tokens] * group for _ in prompts])
+
+
+def w1_case(seed: int = 0) -> RolloutCase:
+    """8 prompts x 8 samples, 512-token prompts, budgets linspace(256, 3584) spread over the 64 samples."""
+    rng = random.Random(seed)
+    budgets = [round(256 + i * (3584 - 256) / 63) for i in range(64)]
+    prompts = [[rng.randrange(10_000) for _ in range(512)] for _ in range(8)]
+    return RolloutCase("w1", prompts, [budgets[g * 8 : g * 8 + 8] for g in range(8)])
+
+
+def nanovllm_case() -> RolloutCase:
+    """nano-vllm bench.py's requests, drawn in its order: all prompts first, then all budgets."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    budgets = [[rng.randint(100, 1024)] for _ in range(256)]
+    return RolloutCase("nanovllm", prompts, budgets)
+
+
+def bound_tok_per_s(cfg: ModelConfig, case: RolloutCase, bandwidth: float, dtype=torch.bfloat16) -> float:
+    """Decode-only bandwidth bound: all samples start together; a step reads the weights + live KV."""
+    with torch.device("meta"):
+        from slipstream.models.transformer import Transformer
+
+        weight_bytes = sum(p.numel() for p in Transformer(cfg).parameters()) * torch.finfo(dtype).bits // 8
+    kv = kv_bytes_per_token(cfg, dtype)
+    steps = max(max(b) for b in case.budgets)
+    # a sample of prompt P and budget R reads contexts P, P+1, ..., P+R-1
+    kv_reads = sum(len(p) * r + r * (r - 1) // 2 for p, group in zip(case.prompts, case.budgets) for r in group)
+    return case.response_tokens / ((steps * weight_bytes + kv_reads * kv) / bandwidth)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def run_builtin(engine, case: RolloutCase, sampling: SamplingParams, key_base: int) -> dict:
+    """One generate call of `case`; wall time minus graph capture, and the engine's own breakdown."""
+    device = engine.device
+    engine_core = engine.core
+    capture0 = engine.runner.capture_s
+    _peak_reset(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = engine.generate(case.prompts, sampling, keys=[key_base + i for i in range(len(case.prompts))], budgets=case.budgets)
+    _sync(device)
+    wall = time.perf_counter() - start
+    capture = engine.runner.capture_s - capture0
+    stats = engine.core.stats
+    tokens = sum(len(s.response_ids) for g in out for s in g)
+    assert tokens == case.response_tokens, (tokens, case.response_tokens)
+    row = {
+        "wall_s": wall,
+        "capture_s": capture,
+        "time_s": wall - capture,
+        "tok_per_s": tokens / (wall - capture),
+        "response_tokens": tokens,
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "decode_steps": stats.decode_steps,
+        "ms_per_decode_step": 1e3 * stats.decode_s / max(stats.decode_steps, 1),
+        "mean_rows_per_step": stats.decode_row_steps / max(stats.decode_steps, 1),
+        "cache_reallocated": engine_core is not engine.core,
+        "peak_memory_gib": _peak_gib(device),
+    }
+    engine.core.stats = type(stats)()
+    return row
+
+
+def run_hf(hf_model, case: RolloutCase, static: bool, device: torch.device) -> dict:
+    """transformers `generate` on the same prompts (one row per sample, all budgets equal), EOS ignored."""
+    budgets = {b for group in case.budgets for b in group}
+    if len(budgets) != 1 or len({len(p) for p in case.prompts}) != 1:
+        raise ValueError("the HF peer runs fixed cases only (one prompt length, one budget)")
+    (new_tokens,) = budgets
+    ids = torch.tensor([p for p, group in zip(case.prompts, case.budgets) for _ in group], device=device)
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        pad_token_id=0, attention_mask=torch.ones_like(ids),
+    )  # fmt: skip
+    if static:
+        kwargs["cache_implementation"] = "static"
+    _peak_reset(device)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf_model.generate(ids, **kwargs)
+    _sync(device)
+    wall = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"wall_s": wall, "time_s": wall, "tok_per_s": tokens / wall, "response_tokens": int(tokens),
+            "peak_memory_gib": _peak_gib(device)}  # fmt: skip
+
+
+def build_cases(workload: str, batches: list[int], prompt_len: int, new_tokens: int, group: int) -> list[RolloutCase]:
+    if workload == "fixed":
+        return [fixed_case(b, prompt_len, new_tokens, group) for b in batches]
+    if workload == "w1":
+        return [w1_case()]
+    if workload == "nanovllm":
+        return [nanovllm_case()]
+    raise ValueError(f"unknown rollout workload {workload!r}; expected fixed, w1 or nanovllm")
+
+
+def bench_rollout(
+    preset: str,
+    workload: str = "fixed",
+    batches: tuple[int, ...] = (64, 256),
+    prompt_len: int = 512,
+    new_tokens: int = 512,
+    group: int = 8,
+    peers: tuple[str, ...] = (),
+    device: str | None = None,
+    temperature: float = 1.0,
+    compile: bool | None = None,
+    cuda_graphs: bool | None = None,
+    gpu_memory_fraction: float = 0.6,
+    profile: str | None = None,
+    log=print,
+) -> list[dict]:
+    """Rows of (engine, case, call) results; see the module docstring."""
+    from slipstream.rollout.builtin import BuiltinRollout
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = get_preset(preset)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    bandwidth = hbm_bandwidth(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+    cases = build_cases(workload, list(batches), prompt_len, new_tokens, group)
+    if cfg.vocab_size <= 10_000:  # test presets: fold the random ids into the vocabulary
+        cases = [replace(c, prompts=[[t % cfg.vocab_size for t in p] for p in c.prompts]) for c in cases]
+    max_rows = max(c.num_samples for c in cases)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=1, stop_token_ids=())
+    rows: list[dict] = []
+
+    start = time.perf_counter()
+    engine = BuiltinRollout(
+        cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
+        gpu_memory_fraction=gpu_memory_fraction,
+    )  # fmt: skip
+    engine.warmup(sampling)
+    _sync(dev)
+    warmup_s = time.perf_counter() - start
+    log(f"[rollout] {preset} engine ready in {warmup_s:.1f} s (weights, compile, warm-up)")
+    settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
+                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    for case in cases:
+        bound = bound_tok_per_s(cfg, case, bandwidth) if bandwidth else None
+        for call in ("first", "repeat"):
+            r = run_builtin(engine, case, sampling, key_base=1000 * len(rows))
+            r.update(engine="slipstream", preset=preset, case=case.name, call=call, samples=case.num_samples,
+                     bound_tok_per_s=bound, bound_frac=(r["tok_per_s"] / bound) if bound else None,
+                     startup_s=warmup_s + r["capture_s"], settings=settings)  # fmt: skip
+            rows.append(r)
+            log(_line(r))
+        if profile and case is cases[0]:
+            _profile(engine, case, sampling, profile)
+    del engine
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    for peer in peers:
+        rows += _hf_rows(preset, cases, dev, dtype, peer, log)
+    return rows
+
+
+def _profile(engine, case: RolloutCase, sampling: SamplingParams, path: str) -> None:
+    """One more call of `case` under torch.profiler: the kernels by total device time, as a text table."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_builtin(engine, case, sampling, key_base=10**6)
+    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+
+
+def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, peer: str, log) -> list[dict]:
+    if peer != "hf":
+        raise ValueError(f"unknown rollout peer {peer!r}; expected hf")
+    from slipstream.bench.naive import build_hf_model, copy_native_weights
+    from slipstream.models.transformer import Transformer
+
+    cfg = get_preset(preset)
+    native = Transformer(cfg)
+    native.init_weights(0)
+    hf_model = build_hf_model(cfg, dtype, dev)
+    copy_native_weights(hf_model, native)
+    hf_model.eval()
+    rows = []
+    for static in (False, True):
+        label = "hf-static-compile" if static else "hf-dynamic"
+        for case in cases:
+            start = time.perf_counter()
+            # warm-up at a small shape (static cache: the compile happens here and is counted apart)
+            small = replace(case, prompts=case.prompts[:1], budgets=[case.budgets[0][:1]])
+            run_hf(hf_model, replace(small, budgets=[[8]]), static, dev)
+            startup = time.perf_counter() - start
+            for call in ("first", "repeat"):
+                r = run_hf(hf_model, case, static, dev)
+                r.update(engine=label, preset=preset, case=case.name, call=call,
+                         samples=case.num_samples, startup_s=startup,
+                         settings={"cache": "static" if static else "dynamic", "compile": static,
+                                   "attn": "sdpa", "dtype": str(dtype).removeprefix("torch.")})  # fmt: skip
+                rows.append(r)
+                log(_line(r))
+    return rows
+
+
+def _line(r: dict) -> str:
+    bound = f", {r['bound_frac']:.1%} of bound" if r.get("bound_frac") else ""
+    step = f", {r['ms_per_decode_step']:.2f} ms/step" if "ms_per_decode_step" in r else ""
+    return (f"[rollout] {r['engine']:<18} {r['case']:<24} {r['call']:<6} {r['tok_per_s']:>9,.0f} tok/s "
+            f"({r['time_s']:.2f} s{step}{bound})")  # fmt: skip
+
+
+def add_rollout_parser(sub) -> None:
+    """Register `slipstream bench rollout` on the bench sub-parsers."""
+    p = sub.add_parser("rollout", help="generation speed of the builtin engine vs the memory-bandwidth bound")
+    p.add_argument("--preset", default="qwen3-1.7b", help="model preset with random weights (default qwen3-1.7b)")
+    p.add_argument("--workload", choices=("fixed", "w1", "nanovllm"), default="fixed",
+                   help="fixed: --batch x --prompt-len + --new-tokens; w1: W1's budgets; nanovllm: nano-vllm's bench")
+    p.add_argument("--batch", default="64,256", help="comma-separated samples per call, fixed workload (default 64,256)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group), fixed workload")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--peer", action="append", default=[], choices=("hf",),
+                   help="also run transformers generate (dynamic cache; static cache + compile) on the same prompts")
+    p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="write rows + environment as JSON here")
+    p.add_argument("--profile", default=None, help="profile one more call of the first case; kernel table to this file")
+    p.set_defaults(func=run_rollout_command)
+
+
+def run_rollout_command(args) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from slipstream.bench.train_step import env_info
+
+    try:
+        batches = tuple(int(b) for b in args.batch.split(","))
+        rows = bench_rollout(
+            args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),
+            device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
+            cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"bench error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"env": env_info(), "rows": rows}, indent=2))
+    print_rollout_table(rows)
+    return 0
+
+
+def print_rollout_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rollout")
+    cols = ("engine", "case", "call", "tok/s", "s", "ms/step", "prefill s", "bound", "of bound", "startup s", "GiB")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("engine", "case", "call") else "right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        table.add_row(
+            r["engine"], r["case"], r["call"], f"{r['tok_per_s']:,.0f}", f"{r['time_s']:.2f}",
+            fmt(r.get("ms_per_decode_step"), ".2f"), fmt(r.get("prefill_s"), ".2f"),
+            fmt(r.get("bound_tok_per_s"), ",.0f"), fmt(r.get("bound_frac"), ".1%"), fmt(r.get("startup_s"), ".1f"),
+            fmt(r.get("peak_memory_gib"), ".1f"),
+        )  # fmt: skip
+    Console(width=200).print(table)
