@@ -200,6 +200,7 @@ def bench_rollout(
     cuda_graphs: bool | None = None,
     gpu_memory_fraction: float = 0.6,
     profile: str | None = None,
+    decode_attention: tuple[str, ...] = ("triton",),
     log=print,
 ) -> list[dict]:
     """Rows of (engine, case, call) results; see the module docstring."""
@@ -216,31 +217,33 @@ def bench_rollout(
     sampling = SamplingParams(temperature=temperature, max_new_tokens=1, stop_token_ids=())
     rows: list[dict] = []
 
-    start = time.perf_counter()
-    engine = BuiltinRollout(
-        cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
-        gpu_memory_fraction=gpu_memory_fraction,
-    )  # fmt: skip
-    engine.warmup(sampling)
-    _sync(dev)
-    warmup_s = time.perf_counter() - start
-    log(f"[rollout] {preset} engine ready in {warmup_s:.1f} s (weights, compile, warm-up)")
-    settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
-                "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
-    for case in cases:
-        bound = bound_tok_per_s(cfg, case, bandwidth) if bandwidth else None
-        for call in ("first", "repeat"):
-            r = run_builtin(engine, case, sampling, key_base=1000 * len(rows))
-            r.update(engine="slipstream", preset=preset, case=case.name, call=call, samples=case.num_samples,
-                     bound_tok_per_s=bound, bound_frac=(r["tok_per_s"] / bound) if bound else None,
-                     startup_s=warmup_s + r["capture_s"], settings=settings)  # fmt: skip
-            rows.append(r)
-            log(_line(r))
-        if profile and case is cases[0]:
-            _profile(engine, case, sampling, profile)
-    del engine
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    for kernel in decode_attention:
+        start = time.perf_counter()
+        engine = BuiltinRollout(
+            cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
+            gpu_memory_fraction=gpu_memory_fraction, decode_attention=kernel,
+        )  # fmt: skip
+        engine.warmup(sampling)
+        _sync(dev)
+        warmup_s = time.perf_counter() - start
+        log(f"[rollout] {preset} engine ({kernel} decode attention) ready in {warmup_s:.1f} s (weights, compile, warm-up)")
+        settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
+                    "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        label = "slipstream" if len(decode_attention) == 1 else f"slipstream-{kernel}"
+        for case in cases:
+            bound = bound_tok_per_s(cfg, case, bandwidth) if bandwidth else None
+            for call in ("first", "repeat"):
+                r = run_builtin(engine, case, sampling, key_base=1000 * len(rows))
+                r.update(engine=label, preset=preset, case=case.name, call=call, samples=case.num_samples,
+                         bound_tok_per_s=bound, bound_frac=(r["tok_per_s"] / bound) if bound else None,
+                         startup_s=warmup_s + r["capture_s"], settings=settings)  # fmt: skip
+                rows.append(r)
+                log(_line(r))
+            if profile and case is cases[0]:
+                _profile(engine, case, sampling, profile.replace(".txt", f"-{kernel}.txt"))
+        del engine
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     for peer in peers:
         rows += _hf_rows(preset, cases, dev, dtype, peer, log)
     return rows
@@ -311,6 +314,8 @@ def add_rollout_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--peer", action="append", default=[], choices=("hf",),
                    help="also run transformers generate (dynamic cache; static cache + compile) on the same prompts")
+    p.add_argument("--decode-attention", default="triton",
+                   help="comma-separated decode kernels to compare in one run: triton, flash (default triton)")
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
     p.add_argument("--device", default=None)
@@ -332,6 +337,7 @@ def run_rollout_command(args) -> int:
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),
             device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile,
+            decode_attention=tuple(args.decode_attention.split(",")),
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

@@ -88,6 +88,8 @@ class RolloutSection:
     """torch.compile the rollout's layer halves and sampler (CUDA only; the CPU runs eagerly)."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket (CUDA only)."""
+    decode_attention: Literal["triton", "flash"] = "triton"
+    """Decode attention kernel on CUDA: Triton split-K with GQA packing (needs triton), or FlashAttention's varlen forward."""
     sleep_during_train: bool = True
     """Free the rollout's KV cache and weights on the GPU while the trainer works (colocated; a no-op on the CPU)."""
 

@@ -107,7 +107,7 @@ def build_rollout(cfg: Config, model_cfg: ModelConfig, device: torch.device, com
         model_cfg, device, compute_dtype if device.type == "cuda" else torch.float32,
         max_batch_size=r.max_batch_size, seed=r.seed, compile=r.compile, cuda_graphs=r.cuda_graphs,
         gpu_memory_fraction=r.gpu_memory_fraction, prefill_tokens=r.prefill_tokens,
-        decode_steps_per_sync=r.decode_steps_per_sync,
+        decode_steps_per_sync=r.decode_steps_per_sync, decode_attention=r.decode_attention,
     )  # fmt: skip
 
 

@@ -135,9 +135,13 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (..., N, hidden) -> q (..., N, Hq, D), k/v (..., N, Hkv, D), with RoPE applied."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected q (..., N, Hq*D), k / v (..., N, Hkv*D) -> per-head q, k, v with q/k norm and RoPE."""
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:  # per-head norm over head_dim, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         # the norms and the fp32 rotation upcast q and k under autocast; attention kernels want one dtype
@@ -168,7 +172,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.combine(self.gate_proj(x), self.up_proj(x))
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) from the two projections (computed apart or as one fused matmul)."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -19,6 +19,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from slipstream.ops import decode_attention
+
 BACKENDS = ("varlen", "flex", "sdpa")
 
 
@@ -245,6 +247,7 @@ def cache_attention(
     max_seqlen_k: int,
     causal: bool,
     scale: float | None = None,
+    decode_kernel: str = "triton",
 ) -> torch.Tensor:
     """Attention of packed queries over a flattened KV cache with ragged lengths: -> (T, Hq, D).
 
@@ -258,11 +261,19 @@ def cache_attention(
     decoding (one query per sequence) are the same call. GQA is native: query head h reads kv
     head h // (Hq / Hkv), no repeat.
 
-    CUDA + bf16/fp16: FlashAttention's varlen forward with `seqused_k` (no (B, L) mask, no
-    per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere: one SDPA call
-    per sequence over exactly its keys, so a sequence's result does not depend on the others.
+    CUDA + bf16/fp16: decoding (one query per sequence, `max_seqlen_q` 1) runs the Triton split-K
+    kernel of ops/decode_attention.py (`decode_kernel="triton"`, when triton is installed);
+    prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
+    (B, L) mask, no per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere:
+    one SDPA call per sequence over exactly its keys, so a sequence's result does not depend on
+    the others.
     """
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if max_seqlen_q == 1 and not causal and decode_kernel == "triton" and decode_attention.available():
+            # one query row per sequence: rows of q are the sequences
+            splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device)
+            starts = cu_seqlens_k[: q.shape[0]]
+            return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale)
         out = torch.ops.aten._flash_attention_forward(
             q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
             scale=scale, seqused_k=seqused_k,

@@ -44,6 +44,7 @@ class BuiltinRollout:
         gpu_memory_fraction: float = 0.5,
         prefill_tokens: int = 16384,
         decode_steps_per_sync: int = 16,
+        decode_attention: str = "triton",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -64,6 +65,7 @@ class BuiltinRollout:
             self.model,
             compile=on_gpu if compile is None else compile,
             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs,
+            decode_attention=decode_attention,
         )
         self.cache: SlotCache | None = None
         self.core: EngineCore | None = None
@@ -113,6 +115,7 @@ class BuiltinRollout:
         """Undo sleep(): weights back on the device; the cache is allocated again at the next generation."""
         if self._asleep:
             self.model.to(self.device)
+            self.runner.refuse()
             self._asleep = False
 
     # ------------------------------------------------------------------ generation

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import cache_attention
@@ -27,22 +28,57 @@ from slipstream.rollout.kv_cache import SlotCache
 from slipstream.rollout.sampler import sample_tokens, vocab_hashes
 
 
-def _pre_attention(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(T, H) hidden -> q (T, Hq, D), k / v (T, Hkv, D) of one layer, RoPE applied."""
-    return layer.self_attn._qkv(layer.input_layernorm(h), cos, sin)
+def _pre_attention(layer, qkv_weight, qkv_bias, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(T, H) hidden -> q (T, Hq, D), k / v (T, Hkv, D) of one layer, RoPE applied; one q/k/v matmul."""
+    attn = layer.self_attn
+    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    q, k, v = F.linear(layer.input_layernorm(h), qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    return attn.heads(q, k, v, cos, sin)
 
 
-def _post_attention(layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def _post_attention(layer, gate_up_weight, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual stream after one layer, from its input (T, H) and its attention output (T, Hq, D)."""
     h = h + layer.self_attn.o_proj(attn.flatten(-2))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    gate, up = F.linear(layer.post_attention_layernorm(h), gate_up_weight).chunk(2, dim=-1)
+    return h + layer.mlp.combine(gate, up)
+
+
+def fuse_projections(model: Transformer) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """Give each layer's q/k/v and gate/up weights one storage each; returns (qkv weight, qkv bias, gate_up weight).
+
+    The module parameters become views into the fused tensors, so in-place weight updates (by
+    name, as the trainer exports them) land in the fused storage, and the decode step runs one
+    matmul where there were three (and two): fewer, larger GEMMs read the weights at a higher
+    share of the memory bandwidth when the batch is small. Call again after `model.to()`, which
+    gives every parameter storage of its own.
+    """
+    fused = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv_weight = _fuse([m.weight for m in parts])
+        qkv_bias = _fuse([m.bias for m in parts]) if attn.q_proj.bias is not None else None
+        fused.append((qkv_weight, qkv_bias, _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])))
+    return fused
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    whole = torch.cat([p.data for p in params])
+    offset = 0
+    for p in params:
+        p.data = whole[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return whole
 
 
 class ModelRunner:
     """Forward passes of `model` over a `SlotCache`; owns the compiled layer halves and the decode graphs."""
 
-    def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool = False) -> None:
+    def __init__(
+        self, model: Transformer, compile: bool = False, cuda_graphs: bool = False, decode_attention: str = "triton"
+    ) -> None:
         self.model = model
+        self.decode_attention = decode_attention
         self.cfg = model.cfg
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
@@ -58,6 +94,7 @@ class ModelRunner:
         # RoPE tables indexed by position: the same values the training forward computes per call
         self.cos, self.sin = rope_cos_sin(positions, rope_inv_freq(self.cfg, self.device), self.dtype)
         self.vocab_hash = vocab_hashes(self.cfg.vocab_size, self.device)
+        self.fused = fuse_projections(model)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.capture_s = 0.0
@@ -80,14 +117,15 @@ class ModelRunner:
         model = self.model
         h = model.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
-        for i, layer in enumerate(model.layers):
-            q, k, v = self._pre(layer, h, cos, sin)
+        for i, (layer, (qkv_w, qkv_b, gate_up_w)) in enumerate(zip(model.layers, self.fused)):
+            q, k, v = self._pre(layer, qkv_w, qkv_b, h, cos, sin)
             cache.k[i].index_copy_(0, write_index, k)
             cache.v[i].index_copy_(0, write_index, v)
             attn = cache_attention(
-                q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal
-            )
-            h = self._post(layer, h, attn)
+                q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal,
+                decode_kernel=self.decode_attention,
+            )  # fmt: skip
+            h = self._post(layer, gate_up_w, h, attn)
         return model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,6 +198,11 @@ class ModelRunner:
         """Forget the captured graphs (the cache or the state buffers they point at are gone)."""
         self.graphs.clear()
         self._pool = None
+
+    def refuse(self) -> None:
+        """Fuse the projections again after the model moved (sleep / wake); graphs must be recaptured."""
+        self.drop_graphs()
+        self.fused = fuse_projections(self.model)
 
 
 class DecodeState:
