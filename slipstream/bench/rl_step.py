@@ -40,7 +40,7 @@ from slipstream.config.schema import Config
 
 RL_BACKENDS = ("local", "fsdp", "megatron")
 RL_TOP_KEYS = ("mode", "frameworks", "backends", "rl_step", "device", "peak_flops", "on_error")
-RL_STEP_KEYS = ("recipe", "steps", "warmup_steps", "overrides", "name")
+RL_STEP_KEYS = ("recipe", "steps", "warmup_steps", "overrides", "name", "budgets", "ignore_stop")
 RL_PHASES = ("rollout", "reward", "old_log_probs", "ref_log_probs", "actor_train", "update_weights")
 """Phases of one step in the order they run (the "step" phase encloses them all)."""
 CORE_METRICS = (
@@ -71,6 +71,17 @@ class RLStepSettings:
     """Dotted `key=value` overrides applied on top of the recipe (same syntax as `slipstream train`)."""
     name: str = ""
     """Workload name in the results (default: the recipe's file stem)."""
+    budgets: str | None = None
+    """Per-sample max_new_tokens: "w1" = linspace(256, 3584) over the step's samples (W1's response lengths); None: the recipe's."""
+    ignore_stop: bool = False
+    """Sample every budget to its end (stop tokens ignored), as a throughput benchmark needs."""
+
+    def sample_budgets(self, num_samples: int) -> list[int] | None:
+        if self.budgets is None:
+            return None
+        if num_samples < 2:
+            return [3584] * num_samples
+        return [round(256 + i * (3584 - 256) / (num_samples - 1)) for i in range(num_samples)]
 
 
 # ---------------------------------------------------------------- spec
@@ -142,7 +153,14 @@ def _rl_step_section(raw, settings: CellSettings) -> RLStepSettings:
     name = raw.get("name", Path(recipe).stem)
     if not isinstance(name, str) or not name:
         raise ValueError(f"matrix spec: rl_step.name must be a non-empty string, got {name!r}")
-    rl = RLStepSettings(recipe=recipe, steps=steps, warmup_steps=warmup, overrides=tuple(overrides), name=name)
+    budgets = raw.get("budgets")
+    if budgets not in (None, "w1"):
+        raise ValueError(f"matrix spec: rl_step.budgets must be 'w1' or absent, got {budgets!r}")
+    ignore_stop = raw.get("ignore_stop", False)
+    if not isinstance(ignore_stop, bool):
+        raise ValueError(f"matrix spec: rl_step.ignore_stop must be true or false, got {ignore_stop!r}")
+    rl = RLStepSettings(recipe=recipe, steps=steps, warmup_steps=warmup, overrides=tuple(overrides), name=name,
+                        budgets=budgets, ignore_stop=ignore_stop)  # fmt: skip
     try:  # resolve now: a typo in an override fails at spec load, not after the first cells have run
         cell_config(rl, settings, backend="local", run_dir="/nonexistent/rl-step-check")
     except ValueError as err:
@@ -242,6 +260,14 @@ def step_statistics(per_step: Sequence[Mapping[str, float]], warmup_steps: int) 
 # ---------------------------------------------------------------- cells
 
 
+def shape_rollout(trainer, rl: RLStepSettings) -> None:
+    """Apply the spec's per-sample budgets and stop-token policy to a built trainer's rollout stage."""
+    st = trainer.stages
+    if rl.ignore_stop:
+        st.sampling = dataclasses.replace(st.sampling, stop_token_ids=())
+    st.sample_budgets = rl.sample_budgets(trainer.cfg.rollout.prompts_per_step * st.sampling.n)
+
+
 def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: str) -> dict:
     """Run `rl.steps` GRPO steps of slipstream on `backend` in a temporary run_dir; the cell's result."""
     import torch
@@ -253,6 +279,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         cfg = cell_config(rl, settings, backend, Path(tmp) / "run")
         start = time.perf_counter()
         trainer = RLTrainer(cfg)
+        shape_rollout(trainer, rl)
         setup_s = time.perf_counter() - start
         try:
             per_step = [trainer.step() for _ in range(rl.steps)]
@@ -281,8 +308,10 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         "loss_normalisation": f"{cfg.algo.loss_agg} over the minibatch (global denominator)",
         "optimizer": f"AdamW lr={a.lr} betas={tuple(a.betas)} wd={a.weight_decay}, grad clip {a.grad_clip}",
         "micro_batching": f"token budget {a.max_tokens_per_mb} ({a.planner} planner)",
-        "rollout": f"builtin KV-cache sampler, T={r.temperature} top_p={r.top_p} top_k={r.top_k}, "
-        f"max_new_tokens {r.max_new_tokens}, {r.prompts_per_step} prompts x group {r.group_size}",
+        "rollout": f"builtin engine (continuous batching, {r.decode_attention} decode attention), T={r.temperature} "
+        f"top_p={r.top_p} top_k={r.top_k}, max_new_tokens "
+        f"{'linspace(256, 3584) per sample' if rl.budgets == 'w1' else r.max_new_tokens}"
+        f"{', stop tokens ignored' if rl.ignore_stop else ''}, {r.prompts_per_step} prompts x group {r.group_size}",
         "placement": "colocated, synchronous, one process (trainer and rollout share the device)",
     }
     return {

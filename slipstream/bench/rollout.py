@@ -201,6 +201,7 @@ def bench_rollout(
     gpu_memory_fraction: float = 0.6,
     profile: str | None = None,
     decode_attention: tuple[str, ...] = ("triton",),
+    peer_batches: tuple[int, ...] | None = None,
     log=print,
 ) -> list[dict]:
     """Rows of (engine, case, call) results; see the module docstring."""
@@ -244,8 +245,9 @@ def bench_rollout(
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    peer_cases = [c for c in cases if peer_batches is None or c.num_samples in peer_batches]
     for peer in peers:
-        rows += _hf_rows(preset, cases, dev, dtype, peer, log)
+        rows += _hf_rows(preset, peer_cases, dev, dtype, peer, log)
     return rows
 
 
@@ -316,6 +318,7 @@ def add_rollout_parser(sub) -> None:
                    help="also run transformers generate (dynamic cache; static cache + compile) on the same prompts")
     p.add_argument("--decode-attention", default="triton",
                    help="comma-separated decode kernels to compare in one run: triton, flash (default triton)")
+    p.add_argument("--peer-batch", default=None, help="comma-separated batch sizes the peer runs (default: all)")
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
     p.add_argument("--device", default=None)
@@ -338,6 +341,7 @@ def run_rollout_command(args) -> int:
             device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile,
             decode_attention=tuple(args.decode_attention.split(",")),
+            peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

@@ -21,7 +21,7 @@ class ModelSection:
     preset: str = "tiny"
     """Named architecture with random weights, used when `path` is None (tiny, qwen3-0.6b, qwen3-1.7b, ...)."""
     tokenizer: str | None = None
-    """Tokenizer directory or .gguf file; "char" builds the built-in character tokenizer; None: from `path`, else "char"."""
+    """Tokenizer directory or .gguf file; "char" builds the built-in character tokenizer; "ids:<V>" reads text as space-separated token ids (benchmarks); None: from `path`, else "char"."""
     use_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
     dtype: Literal["float32", "bfloat16"] = "float32"

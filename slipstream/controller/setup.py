@@ -16,7 +16,7 @@ from slipstream.config.schema import Config
 from slipstream.models import hf
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
-from slipstream.models.tokenizer import build_char_tokenizer, load_tokenizer
+from slipstream.models.tokenizer import build_char_tokenizer, build_id_tokenizer, load_tokenizer
 from slipstream.models.transformer import Transformer
 from slipstream.rewards.runner import RewardRunner
 from slipstream.rollout.base import SamplingParams
@@ -63,6 +63,8 @@ def build_tokenizer(cfg: Config):
         name = cfg.model.path or "char"
     if name == "char":
         return build_char_tokenizer()
+    if name.startswith("ids:"):
+        return build_id_tokenizer(int(name.removeprefix("ids:")))
     return load_tokenizer(resolve_path(name))
 
 

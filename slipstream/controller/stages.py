@@ -57,6 +57,8 @@ class Stages:
     loss_fn: object
     world: int
     peak_flops: float | None
+    sample_budgets: list[int] | None = None
+    """max_new_tokens of each sample of a step, in group order (benchmarks with mixed lengths); None: rollout.max_new_tokens."""
 
     @property
     def dp_rank(self) -> int:
@@ -74,7 +76,13 @@ class Stages:
 
     def generate(self, records: list[TokenizedPrompt], first_group: int) -> list[Sample]:
         """`group_size` samples per prompt, group ids numbered from `first_group`."""
-        groups = self.rollout.generate([r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records])
+        budgets = None
+        if self.sample_budgets is not None:
+            n = self.sampling.n
+            budgets = [self.sample_budgets[(first_group + g) * n : (first_group + g + 1) * n] for g in range(len(records))]
+        groups = self.rollout.generate(
+            [r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records], budgets=budgets
+        )
         return [
             replace(s, group_id=first_group + g, prompt_text=r.prompt_text, answer=r.answer)
             for g, (r, group) in enumerate(zip(records, groups))

@@ -145,8 +145,28 @@ class SumMod10Task:
         return PromptRecord(prompt=prompt, answer=str(sum(terms) % 10), meta={"task": self.name})
 
 
+@dataclass(frozen=True)
+class RandomIdsTask:
+    """Benchmark prompts: `length` random token ids as text for the "ids:<V>" tokenizer; the answer is one
+    more random id, so the exact-match reward is cheap and almost always 0 (throughput, not learning)."""
+
+    length: int = 512
+    vocab_size: int = 151936
+    name: str = "random-ids"
+    reward: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.length < 1 or self.vocab_size < 2:
+            raise ValueError(f"random-ids needs length >= 1 and vocab_size >= 2, got {self.length}, {self.vocab_size}")
+
+    def sample(self, rng: random.Random) -> PromptRecord:
+        ids = [rng.randrange(1, self.vocab_size - 1) for _ in range(self.length + 1)]  # no pad / eos ids
+        return PromptRecord(prompt=" ".join(map(str, ids[:-1])), answer=str(ids[-1]), meta={"task": self.name})
+
+
 TASKS: dict[str, type] = {
     "arithmetic": ArithmeticTask,
+    "random-ids": RandomIdsTask,
     "countdown": CountdownTask,
     "sum-mod10": SumMod10Task,
 }

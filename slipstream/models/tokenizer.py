@@ -39,6 +39,22 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def build_id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Benchmark tokenizer over a model's whole id range: the text "17 4096 3" is the ids [17, 4096, 3].
+
+    Prompts of random token ids (bench workloads on random-weight presets) then travel through the
+    same text -> ids path as real data. Id 0 is "<pad>" (also the unknown token) and the last id
+    "<eos>": special tokens must not be digit strings, which would split numbers such as "4096".
+    """
+    if vocab_size < 3:
+        raise ValueError(f"an id tokenizer needs at least 3 ids, got {vocab_size}")
+    vocab = {"<pad>": 0, **{str(i): i for i in range(1, vocab_size - 1)}, "<eos>": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the pieces with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<pad>", eos_token="<eos>")
+
+
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local HF directory or a .gguf file (never touches the network)."""
     path = Path(path)

@@ -19,6 +19,7 @@ lengths grow.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -28,8 +29,12 @@ try:
 except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
-BLOCK_N = 64
-"""Cache rows per inner iteration."""
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages
+(chosen by `bench/bench_decode_attention.py` on the H200; see docs/benchmarks.md). The environment
+variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages" overrides it."""
+if os.environ.get("SLIPSTREAM_DECODE_LAUNCH"):
+    LAUNCH.update(zip(LAUNCH, (int(v) for v in os.environ["SLIPSTREAM_DECODE_LAUNCH"].split(","))))
 
 
 def available() -> bool:
@@ -136,8 +141,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
         scale,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, D=d, NUM_SPLITS=num_splits,
-        num_warps=4, num_stages=2,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
+        NUM_SPLITS=num_splits, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge_kernel[(bsz, hq)](

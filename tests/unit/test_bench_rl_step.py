@@ -249,3 +249,31 @@ def test_trl_settings_follow_the_recipe():
     reward = reward_function(cfg, task)
     # the recipe's exact-match reward, called through TRL's signature
     assert reward(["7=", "3="], ["7", "4"], answer=["7", "3"]) == [1.0, 0.0]
+
+
+def test_w1_budgets_and_ignored_stops_shape_every_sample(tmp_path):
+    """rl_step.budgets=w1 gives sample i of a step the budget linspace(256, 3584)[i]; ignore_stop samples to it."""
+    from slipstream.bench.rl_step import shape_rollout
+    from slipstream.config import load_config
+    from slipstream.controller.grpo import RLTrainer
+
+    spec = parse_spec({
+        "mode": "rl-step", "frameworks": ["slipstream"], "backends": ["local"],
+        "rl_step": {"recipe": "recipes/demo.yaml", "steps": 2, "budgets": "w1", "ignore_stop": True},
+    })  # fmt: skip
+    rl = spec.rl_step
+    budgets = rl.sample_budgets(64)
+    assert budgets[0] == 256 and budgets[-1] == 3584 and len(set(budgets)) == 64
+    cfg = load_config("recipes/demo.yaml", [f"trainer.run_dir={tmp_path}", "trainer.tensorboard=false",
+                                            "rollout.prompts_per_step=2", "rollout.group_size=3"])  # fmt: skip
+    trainer = RLTrainer(cfg)
+    try:
+        shape_rollout(trainer, rl)
+        trainer.stages.sample_budgets = [1, 2, 3, 4, 5, 6]  # short ones: the tiny model's context is 2048
+        first, records = trainer.stages.my_share(trainer.prompts.next_batch())
+        samples = trainer.stages.generate(records, first)
+        assert trainer.stages.sampling.stop_token_ids == ()
+        assert [len(s.response_ids) for s in samples] == [1, 2, 3, 4, 5, 6]
+    finally:
+        trainer.rewards.close()
+        trainer.logger.close()

@@ -1,0 +1,97 @@
+"""Decode attention over the slot cache: Triton split-K launch configurations vs FlashAttention (GPU).
+
+    python bench/bench_decode_attention.py [--out results.json]
+
+qwen3's attention shape (16 query heads on 8 kv heads, head dim 128, bf16), one query per
+sequence, contexts drawn around a mean per case, each sequence in its own cache slot. Every
+kernel reads each sequence's keys and values once, so the achieved bandwidth is
+(keys + values bytes) / time. Cases: a big batch (256 x ~1100, the nanovllm workload's middle), a
+medium one (64 x ~768, W1-sized) and the long tail of an RL step (8 x ~3000, 1 x ~4000).
+CUDA events, median of 20 after 5 warm-ups. Prints one line per (case, kernel) and the best
+launch configuration per case; `ops/decode_attention.py:LAUNCH` holds the chosen one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+
+from slipstream.ops import decode_attention
+from slipstream.ops.attention import cache_attention
+
+CASES = {"b256-ctx1100": (256, 1100), "b64-ctx768": (64, 768), "b8-ctx3000": (8, 3000), "b1-ctx4000": (1, 4000)}
+CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+
+
+def _time(fn) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--best-to", default=None,
+                        help="write the launch configuration with the highest mean bandwidth over the cases here, "
+                        "as SLIPSTREAM_DECODE_LAUNCH takes it")  # fmt: skip
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, (batch, mean_ctx) in CASES.items():
+        slot_len = 2 * mean_ctx
+        lengths = torch.randint(mean_ctx // 2, 3 * mean_ctx // 2, (batch,), device=dev, generator=gen, dtype=torch.int32)
+        k = torch.randn(batch * slot_len, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, 16, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+        starts = torch.arange(batch, device=dev, dtype=torch.int32) * slot_len
+        cu_k = torch.cat([starts, torch.tensor([batch * slot_len], device=dev, dtype=torch.int32)])
+        cu_q = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+        kv_bytes = int(lengths.sum()) * 8 * 128 * 2 * 2
+        splits = decode_attention.choose_splits(batch, 8, dev)
+        flash = _time(lambda: cache_attention(q, k, v, cu_q, cu_k, lengths, 1, slot_len, False, decode_kernel="flash"))
+        rows.append({"case": name, "kernel": "flash", "s": flash, "tb_per_s": kv_bytes / flash / 1e12})
+        for cfg in CONFIGS:
+            decode_attention.LAUNCH.update(cfg)
+            try:
+                t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, splits))
+            except Exception as err:  # a configuration the compiler refuses (shared memory): skip it
+                print(f"{name} {cfg}: {type(err).__name__}")
+                continue
+            rows.append({"case": name, "kernel": "triton", **cfg, "splits": splits, "s": t, "tb_per_s": kv_bytes / t / 1e12})
+    for r in rows:
+        print(json.dumps(r))
+    for name in CASES:
+        best = max((r for r in rows if r["case"] == name and r["kernel"] == "triton"), key=lambda r: r["tb_per_s"])
+        flash = next(r for r in rows if r["case"] == name and r["kernel"] == "flash")
+        print(f"{name}: flash {flash['tb_per_s']:.2f} TB/s; best triton {best['tb_per_s']:.2f} TB/s "
+              f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.best_to:
+        def mean_bw(cfg):
+            got = [r["tb_per_s"] for r in rows if r["kernel"] == "triton" and all(r[k] == v for k, v in cfg.items())]
+            return sum(got) / len(CASES) if len(got) == len(CASES) else 0.0
+
+        best = max(CONFIGS, key=mean_bw)
+        print(f"best over the cases: {best} ({mean_bw(best):.2f} TB/s mean)")
+        with open(args.best_to, "w") as f:
+            f.write(f"{best['block_n']},{best['num_warps']},{best['num_stages']}")
+
+
+if __name__ == "__main__":
+    main()
