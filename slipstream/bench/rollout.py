@@ -203,8 +203,10 @@ def bench_rollout(
     decode_attention: tuple[str, ...] = ("triton",),
     peer_batches: tuple[int, ...] | None = None,
     log=print,
+    on_row=None,
 ) -> list[dict]:
-    """Rows of (engine, case, call) results; see the module docstring."""
+    """Rows of (engine, case, call) results; see the module docstring. `on_row(rows)` runs after every
+    row (the command writes its results file there, so a run cut short keeps what it measured)."""
     from slipstream.rollout.builtin import BuiltinRollout
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -240,6 +242,8 @@ def bench_rollout(
                          startup_s=warmup_s + r["capture_s"], settings=settings)  # fmt: skip
                 rows.append(r)
                 log(_line(r))
+                if on_row:
+                    on_row(rows)
             if profile and case is cases[0]:
                 _profile(engine, case, sampling, profile.replace(".txt", f"-{kernel}.txt"))
         del engine
@@ -247,7 +251,10 @@ def bench_rollout(
             torch.cuda.empty_cache()
     peer_cases = [c for c in cases if peer_batches is None or c.num_samples in peer_batches]
     for peer in peers:
-        rows += _hf_rows(preset, peer_cases, dev, dtype, peer, log)
+        for r in _hf_rows(preset, peer_cases, dev, dtype, peer, log):
+            rows.append(r)
+            if on_row:
+                on_row(rows)
     return rows
 
 
@@ -264,7 +271,7 @@ def _profile(engine, case: RolloutCase, sampling: SamplingParams, path: str) -> 
     Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
 
 
-def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, peer: str, log) -> list[dict]:
+def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, peer: str, log):
     if peer != "hf":
         raise ValueError(f"unknown rollout peer {peer!r}; expected hf")
     from slipstream.bench.naive import build_hf_model, copy_native_weights
@@ -276,14 +283,14 @@ def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, pe
     hf_model = build_hf_model(cfg, dtype, dev)
     copy_native_weights(hf_model, native)
     hf_model.eval()
-    rows = []
     for static in (False, True):
         label = "hf-static-compile" if static else "hf-dynamic"
         for case in cases:
             start = time.perf_counter()
-            # warm-up at a small shape (static cache: the compile happens here and is counted apart)
-            small = replace(case, prompts=case.prompts[:1], budgets=[case.budgets[0][:1]])
-            run_hf(hf_model, replace(small, budgets=[[8]]), static, dev)
+            # warm-up: the dynamic cache at a small shape; the static cache at this very shape, because its
+            # compiled decode step is specialised to the batch and cache length (the compile is start-up time)
+            warm = case if static else replace(case, prompts=case.prompts[:1], budgets=[[8]])
+            run_hf(hf_model, warm, static, dev)
             startup = time.perf_counter() - start
             for call in ("first", "repeat"):
                 r = run_hf(hf_model, case, static, dev)
@@ -291,9 +298,8 @@ def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, pe
                          samples=case.num_samples, startup_s=startup,
                          settings={"cache": "static" if static else "dynamic", "compile": static,
                                    "attn": "sdpa", "dtype": str(dtype).removeprefix("torch.")})  # fmt: skip
-                rows.append(r)
                 log(_line(r))
-    return rows
+                yield r
 
 
 def _line(r: dict) -> str:
@@ -334,6 +340,12 @@ def run_rollout_command(args) -> int:
 
     from slipstream.bench.train_step import env_info
 
+    def write(rows: list[dict]) -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+
+    env = env_info()
     try:
         batches = tuple(int(b) for b in args.batch.split(","))
         rows = bench_rollout(
@@ -341,14 +353,11 @@ def run_rollout_command(args) -> int:
             device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile,
             decode_attention=tuple(args.decode_attention.split(",")),
-            peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
+            peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None, on_row=write,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)
         return 2
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"env": env_info(), "rows": rows}, indent=2))
     print_rollout_table(rows)
     return 0
 
