@@ -46,11 +46,13 @@ def pack_samples(
     samples: Sequence[Sample],
     seq_advantages: torch.Tensor | None = None,
     indices: Sequence[int] | None = None,
+    fresh_version: int | None = None,
 ) -> PackedBatch:
     """Concatenate prompt + response of every sample into one flat `PackedBatch` (CPU tensors).
 
     `seq_advantages` (n,) is broadcast to the loss-masked positions of each sequence (zeros
-    when None). `indices` becomes `sample_ids` (default 0..n-1).
+    when None). `indices` becomes `sample_ids` (default 0..n-1). With `fresh_version`, `fresh_mask`
+    marks the response tokens sampled by that policy version.
     """
     n = len(samples)
     if indices is None:
@@ -97,6 +99,13 @@ def pack_samples(
     behav_logprobs = torch.zeros(total, dtype=torch.float32)
     # Masked positions enumerate response tokens in sequence order, matching `behav`.
     behav_logprobs[loss_mask] = torch.from_numpy(behav)
+    fresh_mask = None
+    if fresh_version is not None:
+        versions = itertools.chain.from_iterable(
+            s.token_versions or (s.version,) * len(s.response_ids) for s in samples
+        )  # fmt: skip
+        fresh_mask = torch.zeros(total, dtype=torch.bool)
+        fresh_mask[loss_mask] = torch.from_numpy(np.fromiter(versions, dtype=np.int64, count=behav.size) == fresh_version)
 
     return PackedBatch(
         input_ids=input_ids,
@@ -110,6 +119,7 @@ def pack_samples(
         old_logprobs=None,
         ref_logprobs=None,
         behav_logprobs=behav_logprobs,
+        fresh_mask=fresh_mask,
         sample_ids=tuple(int(i) for i in indices),
     )
 

@@ -30,6 +30,8 @@ class Sample:
     """Policy version of the oldest token: the number of weight syncs the rollout had received when it sampled it."""
     token_versions: tuple[int, ...] = ()
     """Policy version of each response token (weights may change while a sample is in flight); () = all `version`."""
+    prompt_index: int = -1
+    """Position of the prompt in the run's data stream (-1: not from a stream)."""
     prompt_text: str = ""
     response_text: str = ""
     answer: str | None = None

@@ -88,6 +88,8 @@ class RolloutSection:
     """torch.compile the rollout's layer halves and sampler (CUDA only; the CPU runs eagerly)."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs, one per batch-size bucket (CUDA only)."""
+    on_weight_update: Literal["keep", "reprefill"] = "keep"
+    """async: samples in flight at a weight sync continue with their cached keys / values (keep) or with the prefix prefilled again by the new weights (reprefill)."""
     decode_attention: Literal["triton", "flash"] = "triton"
     """Decode attention kernel on CUDA: Triton split-K with GQA packing (needs triton), or FlashAttention's varlen forward."""
     sleep_during_train: bool = True
@@ -140,8 +142,14 @@ class AlgoSection:
     """Optimizer steps per rollout batch (the batch is split into this many minibatches, groups kept whole)."""
     ppo_epochs: int = 1
     """Passes over the rollout batch."""
+    decoupled: bool | None = None
+    """Decoupled PPO: the clip is anchored at the proximal policy (the current weights, old log-probs recomputed before each update) and the behaviour policy enters only through the capped weight pi_prox / pi_behav; None: on in async mode, off in sync."""
     behav_is_cap: float | None = None
-    """Cap of the importance weight pi_old / pi_behaviour (decoupled PPO); None does not use it."""
+    """Cap of the importance weight pi_prox / pi_behaviour; None: 5.0 when decoupled, unused otherwise."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no advantage) and generate more prompts until the step's batch is full."""
+    dynamic_sampling_max_prompts: int = 64
+    """Most extra prompts drawn per step (and rank) for dynamic sampling; past it the step trains what it has."""
 
 
 BACKENDS = ("local", "fsdp", "megatron")
@@ -260,6 +268,10 @@ class TrainerSection:
     """Print a console line every N steps."""
     peak_flops: float | None = None
     """Override the device's dense bf16 peak FLOP/s used for MFU."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate, then train, then sync weights; async: the rollout generates future steps' batches in a background thread while the trainer trains."""
+    max_staleness: int = 1
+    """async: a trained token was sampled at most this many policy versions (weight syncs) before the trainer's; 0 reproduces sync."""
     stop_on_nan: bool = True
     """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
 
@@ -317,6 +329,8 @@ def check_config(cfg: Config) -> None:
             "actor.warmup_steps": cfg.actor.warmup_steps,
             "actor.grad_clip": cfg.actor.grad_clip,
             "trainer.save_every": cfg.trainer.save_every,
+            "trainer.max_staleness": cfg.trainer.max_staleness,
+            "algo.dynamic_sampling_max_prompts": a.dynamic_sampling_max_prompts,
         }),
         "> 0": (lambda v: v > 0, {
             "actor.lr": cfg.actor.lr,

@@ -29,7 +29,7 @@ from slipstream.checkpoint.manager import CheckpointManager, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
-from slipstream.controller.loops import SyncLoop
+from slipstream.controller.loops import AsyncLoop, SyncLoop
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
@@ -99,7 +99,10 @@ class RLTrainer:
             advantage_fn=setup.build_advantage_fn(cfg), loss_fn=setup.build_loss_fn(cfg),
             world=self.world, peak_flops=peak_flops,
         )  # fmt: skip
-        self.loop = SyncLoop(self.stages, self.prompts)
+        self.stages.decoupled = setup.is_decoupled(cfg)
+        if cfg.algo.dynamic_sampling and self.world > 1:
+            raise ValueError("algo.dynamic_sampling runs in one process only (each rank would draw the same spare prompts)")
+        self.loop = AsyncLoop(self.stages, self.prompts) if cfg.trainer.mode == "async" else SyncLoop(self.stages, self.prompts)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
         self.step_num = 0
         self._saved_step: int | None = None
@@ -160,6 +163,7 @@ class RLTrainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.loop.close()
             self.logger.close()
             self.rewards.close()
         if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
@@ -207,7 +211,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
-                 "loop": self.loop.state_dict(), "config": asdict(self.cfg)}
+                 "loop": self.loop.state_dict(self.step_num), "config": asdict(self.cfg)}
         barrier = torch.distributed.barrier if self.world > 1 else None
         path = self.checkpoints.save(self.step_num, self.engine.save, state, rank=self.rank, barrier=barrier)
         if self.rank == 0:

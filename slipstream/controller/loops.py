@@ -2,10 +2,18 @@
 
 `SyncLoop`: generate -> score -> advantages -> train -> sync weights, one after the other; the
 samples of step k come from policy version k (the weights after k optimizer-step rounds).
+
+`AsyncLoop`: a producer thread (controller/producer.py) generates and scores the batches of
+future steps, at most `trainer.max_staleness` versions ahead; each step the trainer takes the
+step's batch, trains (decoupled PPO by default) and syncs the weights into the running engine.
+
+Both report the wait on each side: `perf/wait_time_ratio` (the trainer's idle share of the step)
+and `perf/rollout_wait_ratio` (the rollout engine's).
 """
 
 from __future__ import annotations
 
+from slipstream.controller.producer import RolloutProducer
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import Stages, rollout_oom_advice
 from slipstream.perf.timers import PhaseTimer
@@ -30,6 +38,9 @@ class SyncLoop:
                 st.release_rollout()
             with timer.phase("reward"):
                 samples = st.score(samples)
+            dynamic = {}
+            if st.cfg.algo.dynamic_sampling:
+                samples, dynamic = self._keep_groups_with_signal(samples, len(records), timer)
             if st.world > 1:
                 with timer.phase("gather_samples"):
                     samples = st.gather(samples)
@@ -39,11 +50,122 @@ class SyncLoop:
                 metrics = st.train(batch, step_num)
             with timer.phase("update_weights"):
                 st.sync_weights(step_num + 1)
-        return {**metrics, **st.sample_metrics(samples, rewards), **st.perf(batch, samples, timer)}
+        perf = st.perf(batch, samples, timer)
+        perf["perf/rollout_wait_ratio"] = max(0.0, 1.0 - timer.times.get("rollout", 0.0) / timer.times["step"])
+        return {**metrics, **st.sample_metrics(samples, rewards), **perf, **dynamic}
 
-    def state_dict(self) -> dict:
+    def _keep_groups_with_signal(self, samples: list, num_groups: int, timer: PhaseTimer) -> tuple[list, dict]:
+        """Dynamic sampling: replace groups whose rewards are all equal with groups of further prompts."""
+        st = self.stages
+        kept = [g for g in _groups(samples) if st.has_signal(g)]
+        dropped, extra = num_groups - len(kept), 0
+        limit = st.cfg.algo.dynamic_sampling_max_prompts
+        while len(kept) < num_groups and extra < limit:
+            records = self.prompts.next_batch()[: min(num_groups - len(kept), limit - extra)]
+            first = num_groups + extra  # group ids past the step's own
+            extra += len(records)
+            with timer.phase("rollout"), rollout_oom_advice(st.cfg):
+                more = st.generate(records, first)
+            with timer.phase("reward"):
+                more = st.score(more)
+            for g in _groups(more):
+                if st.has_signal(g):
+                    kept.append(g)
+                else:
+                    dropped += 1
+        metrics = {"async/dropped_zero_adv_groups": float(dropped), "async/extra_prompts": float(extra)}
+        return [s for g in kept for s in g], metrics
+
+    def state_dict(self, next_step: int) -> dict:
         """Nothing is in flight between sync steps."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncLoop:
+    """One step of the trainer per call; the rollout runs ahead in a producer thread."""
+
+    def __init__(self, stages: Stages, prompts: PromptSource) -> None:
+        cfg = stages.cfg
+        if cfg.algo.dynamic_sampling and stages.world > 1:
+            raise ValueError("algo.dynamic_sampling runs in one process only (each rank would draw the same spare prompts)")
+        self.stages, self.prompts = stages, prompts
+        self.max_staleness = cfg.trainer.max_staleness
+        self.producer: RolloutProducer | None = None
+        self._resume_position: int | None = None
+        self._starts: dict[int, int] = {}  # batch -> stream position of its first prompt, kept after close()
+
+    def _start(self, step_num: int) -> None:
+        if self._resume_position is not None:  # re-generate what was in flight at the checkpoint
+            self.prompts.dataset.position = self._resume_position
+        a = self.stages.cfg.algo
+        self.producer = RolloutProducer(
+            self.stages, self.prompts, self.max_staleness, first_step=step_num,
+            dynamic_sampling=a.dynamic_sampling, max_extra_prompts=a.dynamic_sampling_max_prompts,
+        )  # fmt: skip
+        self.producer.start()
+
+    def step(self, step_num: int) -> dict[str, float]:
+        """Train batch `step_num` (sampled by versions >= step_num - max_staleness); sync version step_num + 1."""
+        st = self.stages
+        if self.producer is None:
+            self._start(step_num)
+        timer = PhaseTimer(st.engine.device)
+        with timer.phase("step"):
+            with timer.phase("wait_rollout"):
+                samples, produced = self.producer.take(step_num)
+            if st.world > 1:
+                with timer.phase("gather_samples"):
+                    samples = st.gather(samples)
+            samples, dropped = self._within_bound(samples, step_num)
+            batch, rewards = st.make_batch(samples, fresh_version=step_num)
+            batch = st.attach_logprobs(batch, timer)
+            with timer.phase("actor_train"):
+                metrics = st.train(batch, step_num)
+            with timer.phase("update_weights"):
+                self.producer.update_weights(st.engine.export_weights(), step_num + 1)
+        perf = st.perf(batch, samples, timer)
+        idle = produced.pop("perf/rollout_idle_time")
+        perf["perf/rollout_wait_ratio"] = min(1.0, idle / timer.times["step"])
+        return {
+            **metrics, **st.sample_metrics(samples, rewards), **perf, **produced,
+            **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
+        }  # fmt: skip
+
+    def _within_bound(self, samples: list, step_num: int) -> tuple[list, int]:
+        """Drop (and count) the groups holding a token staler than max_staleness. The producer's admission
+        rule keeps this from happening; the check makes the bound a guarantee, not a hope."""
+        oldest: dict[int, int] = {}
+        for s in samples:
+            oldest[s.group_id] = min(oldest.get(s.group_id, s.version), s.version)
+        stale = {g for g, v in oldest.items() if step_num - v > self.max_staleness}
+        return [s for s in samples if s.group_id not in stale], len(stale)
+
+    def state_dict(self, next_step: int) -> dict:
+        """Where the data stream resumes: at the first prompt of the next step's batch, so that what is in
+        flight is generated again after a resume (nothing lost, nothing trained twice)."""
+        starts = self.producer.starts if self.producer is not None else self._starts
+        # None: the producer has not drawn that batch yet, so the stream position saved with the data is it
+        return {"resume_position": starts.get(next_step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_position = state.get("resume_position")
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+            self._starts = dict(self.producer.starts)
+            self.producer = None
+
+
+def _groups(samples: list) -> list[list]:
+    """Samples split into their groups (consecutive samples share a group id)."""
+    groups: dict[int, list] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())

@@ -110,6 +110,7 @@ def build_rollout(cfg: Config, model_cfg: ModelConfig, device: torch.device, com
         max_batch_size=r.max_batch_size, seed=r.seed, compile=r.compile, cuda_graphs=r.cuda_graphs,
         gpu_memory_fraction=r.gpu_memory_fraction, prefill_tokens=r.prefill_tokens,
         decode_steps_per_sync=r.decode_steps_per_sync, decode_attention=r.decode_attention,
+        on_weight_update=r.on_weight_update,
     )  # fmt: skip
 
 
@@ -145,14 +146,28 @@ def build_advantage_fn(cfg: Config):
     return get_advantage_fn(cfg.algo.advantage, **options)
 
 
+DEFAULT_BEHAV_IS_CAP = 5.0
+"""pi_prox / pi_behav cap of decoupled PPO when algo.behav_is_cap is not set (AReaL uses 5)."""
+
+
+def is_decoupled(cfg: Config) -> bool:
+    """algo.decoupled, or by default: on in async mode (stale behaviour policies), off in sync."""
+    return cfg.algo.decoupled if cfg.algo.decoupled is not None else cfg.trainer.mode == "async"
+
+
 def build_loss_fn(cfg: Config) -> SpecLoss:
-    """The policy loss: PPO clip terms, KL, entropy and aggregation from the algo section."""
+    """The policy loss: PPO clip terms, KL, entropy and aggregation from the algo section.
+
+    Decoupled, the ratio is taken against the recomputed old log-probs (the proximal policy) and
+    each token is weighted by pi_prox / pi_behav, capped."""
     a = cfg.algo
+    cap = a.behav_is_cap
+    if cap is None and is_decoupled(cfg):
+        cap = DEFAULT_BEHAV_IS_CAP
     return SpecLoss(
         LossSpec(
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg,
-            behav_is_cap=a.behav_is_cap,
+            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg, behav_is_cap=cap,
         )
     )  # fmt: skip
 

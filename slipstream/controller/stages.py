@@ -57,6 +57,8 @@ class Stages:
     loss_fn: object
     world: int
     peak_flops: float | None
+    decoupled: bool = False
+    """Decoupled PPO: old log-probs (the proximal policy) are recomputed before every update."""
     sample_budgets: list[int] | None = None
     """max_new_tokens of each sample of a step, in group order (benchmarks with mixed lengths); None: rollout.max_new_tokens."""
 
@@ -76,17 +78,26 @@ class Stages:
 
     def generate(self, records: list[TokenizedPrompt], first_group: int) -> list[Sample]:
         """`group_size` samples per prompt, group ids numbered from `first_group`."""
-        budgets = None
-        if self.sample_budgets is not None:
-            n = self.sampling.n
-            budgets = [self.sample_budgets[(first_group + g) * n : (first_group + g + 1) * n] for g in range(len(records))]
+        group_ids = [first_group + g for g in range(len(records))]
         groups = self.rollout.generate(
-            [r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records], budgets=budgets
-        )
+            [r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records],
+            budgets=self.budgets_for(group_ids),
+        )  # fmt: skip
+        return [s for gid, r, group in zip(group_ids, records, groups) for s in self.label(group, gid, r)]
+
+    def budgets_for(self, group_ids: list[int]) -> list[list[int]] | None:
+        """Per-sample budgets of these groups when the step has mixed lengths (sample_budgets), else None."""
+        if self.sample_budgets is None:
+            return None
+        n = self.sampling.n
+        return [self.sample_budgets[g * n : (g + 1) * n] for g in group_ids]
+
+    @staticmethod
+    def label(samples: list[Sample], group_id: int, record: TokenizedPrompt) -> list[Sample]:
+        """A group's samples with their group id, prompt text and ground truth."""
         return [
-            replace(s, group_id=first_group + g, prompt_text=r.prompt_text, answer=r.answer)
-            for g, (r, group) in enumerate(zip(records, groups))
-            for s in group
+            replace(s, group_id=group_id, prompt_index=record.index, prompt_text=record.prompt_text, answer=record.answer)
+            for s in samples
         ]
 
     def score(self, samples: list[Sample]) -> list[Sample]:
@@ -96,6 +107,11 @@ class Stages:
             replace(s, response_text=t, reward=float(r), reward_info=info)
             for s, t, (r, info) in zip(samples, texts, scored)
         ]
+
+    @staticmethod
+    def has_signal(group: list[Sample]) -> bool:
+        """Whether a group's rewards differ: with all rewards equal, group-normalised advantages are all 0."""
+        return len({s.reward for s in group}) > 1
 
     def gather(self, samples: list[Sample]) -> list[Sample]:
         """Every rank's scored samples on every rank, in group order (the one-process order)."""
@@ -115,12 +131,16 @@ class Stages:
             self.rollout.sleep()
 
     # ------------------------------------------------------------------ trainer side
-    def make_batch(self, samples: list[Sample]) -> tuple[PackedBatch, torch.Tensor]:
-        """Group-normalised advantages and the packed batch; also returns the rewards (n,)."""
+    def make_batch(self, samples: list[Sample], fresh_version: int | None = None) -> tuple[PackedBatch, torch.Tensor]:
+        """Group-normalised advantages and the packed batch; also returns the rewards (n,).
+
+        `fresh_version`: the trainer's version, when some tokens may be older (async): the batch then
+        marks the tokens sampled by exactly that version (for the rollout-mismatch metrics)."""
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         group_ids = torch.tensor([s.group_id for s in samples])
         seq_adv = self.advantage_fn(rewards, group_ids)
-        return pack_samples(samples, seq_adv, indices=list(range(len(samples)))), rewards
+        batch = pack_samples(samples, seq_adv, indices=list(range(len(samples))), fresh_version=fresh_version)
+        return batch, rewards
 
     def micro_batches(self, batch: PackedBatch) -> tuple[list[PackedBatch], list[tuple[int, ...]]]:
         """This rank's token-budget micro-batches (and their sequence ids) of a plan balanced over the
@@ -131,10 +151,11 @@ class Stages:
         )  # fmt: skip
 
     def attach_logprobs(self, batch: PackedBatch, timer: PhaseTimer) -> PackedBatch:
-        """Old log-probs when the batch is used for more than one update; ref log-probs for the KL term."""
-        updates = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs
-        mbs, ids = self.micro_batches(batch) if (updates > 1 or self.ref is not None) else ([], [])
-        if updates > 1:
+        """Old log-probs when the batch is used for more than one update or the loss is decoupled (the
+        proximal policy); ref log-probs for the KL term."""
+        recompute = self.cfg.algo.ppo_n_minibatches * self.cfg.algo.ppo_epochs > 1 or self.decoupled
+        mbs, ids = self.micro_batches(batch) if (recompute or self.ref is not None) else ([], [])
+        if recompute:
             with timer.phase("old_log_probs"):
                 outs = self.engine.forward_logprobs(mbs)
                 batch = batch.with_(old_logprobs=gather_per_token([o.logprobs.cpu() for o in outs], ids, batch))
@@ -197,6 +218,13 @@ class Stages:
             "rollout/policy_version": float(versions.min()),
             **{f"reward/{name}": sum(v) / len(v) for name, v in per_fn.items() if len(v) == len(samples)},
         }
+
+    def staleness_metrics(self, samples: list[Sample], trainer_version: int) -> dict[str, float]:
+        """How many versions behind the trainer the trained response tokens were sampled."""
+        lags = [trainer_version - v for s in samples for v in (s.token_versions or (s.version,) * len(s.response_ids))]
+        if not lags:
+            return {}
+        return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
     def perf(self, batch: PackedBatch, samples: list[Sample], timer: PhaseTimer) -> dict[str, float]:
         """Phase times, per-phase memory and the DESIGN.md throughput metrics of one step."""

@@ -45,6 +45,7 @@ class BuiltinRollout:
         prefill_tokens: int = 16384,
         decode_steps_per_sync: int = 16,
         decode_attention: str = "triton",
+        on_weight_update: str = "keep",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -58,6 +59,9 @@ class BuiltinRollout:
         self.prefill_tokens = prefill_tokens
         self.ring = decode_steps_per_sync
         self.version = 0
+        if on_weight_update not in ("keep", "reprefill"):
+            raise ValueError(f"on_weight_update must be keep or reprefill, got {on_weight_update!r}")
+        self.on_weight_update = on_weight_update
         self.model = Transformer(model_cfg).to(device=self.device, dtype=dtype)
         self.model.init_weights(seed)
         self.model.eval().requires_grad_(False)
@@ -78,7 +82,9 @@ class BuiltinRollout:
         """Copy HF-named tensors into the existing parameter storage; every parameter must be provided.
 
         In place, so compiled code and captured graphs keep pointing at the right memory; rows in
-        flight continue with the new weights and tag their next tokens with `version`.
+        flight continue with the new weights and tag their next tokens with `version`: with their
+        cached keys / values ("keep", the prefix as the old weights saw it) or with the prefix
+        prefilled again by the new weights ("reprefill").
         """
         if self._asleep:
             self.wake()
@@ -89,6 +95,8 @@ class BuiltinRollout:
         self.version = int(version)
         if self.core is not None:
             self.core.version = self.version
+            if self.on_weight_update == "reprefill":
+                self.core.refresh_kv()
 
     def state_dict(self) -> dict:
         """Policy version and the key counter of calls without keys (sampling itself is stateless)."""
@@ -140,37 +148,71 @@ class BuiltinRollout:
         the same key gives the same samples whatever else is generated alongside. None numbers
         the prompts on from the previous call. budgets[i][j] overrides max_new_tokens of sample j.
         """
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
         if keys is None:
             keys = list(range(self._next_key, self._next_key + len(prompts)))
             self._next_key += len(prompts)
+        self.submit(prompts, sampling, keys, tags=list(range(len(prompts))), budgets=budgets)
+        results: list[list[Sample]] = [[None] * (len(b) if budgets else sampling.n) for b in (budgets or prompts)]  # type: ignore[list-item]
+        while self.has_work:
+            for tag, index, sample in self.step():
+                results[tag][index] = replace(sample, group_id=tag)
+        return results
+
+    # ------------------------------------------------------------------ streaming (the async loop's interface)
+    def submit(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        keys: list[int],
+        tags: list,
+        budgets: list[list[int]] | None = None,
+    ) -> None:
+        """Queue `sampling.n` samples of each prompt; `step()` returns them as they finish, with their tag.
+
+        Requests in flight keep running; new ones must use the same sampling parameters and fit the
+        current cache slots (the cache is sized again only when nothing is in flight)."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
         if budgets is None:
             budgets = [[sampling.max_new_tokens] * sampling.n for _ in prompts]
-        if len(keys) != len(prompts) or len(budgets) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts with {len(keys)} keys and {len(budgets)} budget lists")
-        requests = [Request(tuple(p), tuple(b), int(k), tag=i) for i, (p, k, b) in enumerate(zip(prompts, keys, budgets))]
+        if not len(keys) == len(prompts) == len(budgets) == len(tags):
+            raise ValueError(f"{len(prompts)} prompts with {len(keys)} keys, {len(tags)} tags, {len(budgets)} budget lists")
+        requests = [Request(tuple(p), tuple(b), int(k), tag=t) for p, k, b, t in zip(prompts, keys, budgets, tags)]
         longest = max((len(r.prompt) + max(r.budgets) for r in requests), default=0)
         if longest > self.cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt + max_new_tokens = {longest} exceeds max_position_embeddings={self.cfg.max_position_embeddings}"
             )
-        core = self._core_for(longest, sum(len(r.budgets) for r in requests))
-        core.configure(sampling, self.version)
+        if self.core is not None and self.core.has_work:
+            if sampling != self.core.sampling:
+                raise ValueError("requests in flight use other sampling parameters; wait until they finish")
+            if longest > self.cache.slot_len:
+                raise ValueError(f"a request of {longest} tokens does not fit the cache slots ({self.cache.slot_len}) "
+                                 "while others are in flight")  # fmt: skip
+            core = self.core
+        else:
+            core = self._core_for(longest, sum(len(r.budgets) for r in requests))
+            core.configure(sampling, self.version)
         core.add(requests)
-        results: list[list[Sample]] = [[None] * len(r.budgets) for r in requests]  # type: ignore[list-item]
-        while core.has_work:
-            for seq in core.step():
-                results[seq.request.tag][seq.index] = Sample(
-                    prompt_ids=seq.request.prompt,
-                    response_ids=tuple(seq.tokens),
-                    behav_logprobs=tuple(seq.logprobs),
-                    group_id=seq.request.tag,
-                    finish_reason=seq.finish_reason,
-                    version=min(seq.versions),
-                    token_versions=tuple(seq.versions),
-                )
-        return results
+
+    @property
+    def has_work(self) -> bool:
+        return self.core is not None and self.core.has_work
+
+    def step(self) -> list[tuple[object, int, Sample]]:
+        """One scheduling step of the engine; (tag, sample index, Sample) of every sample that finished."""
+        assert self.core is not None, "step() before submit()"
+        return [
+            (seq.request.tag, seq.index, Sample(
+                prompt_ids=seq.request.prompt,
+                response_ids=tuple(seq.tokens),
+                behav_logprobs=tuple(seq.logprobs),
+                finish_reason=seq.finish_reason,
+                version=min(seq.versions),
+                token_versions=tuple(seq.versions),
+            ))
+            for seq in self.core.step()
+        ]  # fmt: skip
 
     def _core_for(self, longest: int, num_samples: int) -> EngineCore:
         """The engine core, with a cache whose slots hold `longest` tokens (allocated again only when too short)."""

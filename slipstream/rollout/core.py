@@ -168,6 +168,13 @@ class EngineCore:
             tokens += head.prompt_len
         return groups
 
+    @torch.no_grad()
+    def refresh_kv(self) -> None:
+        """Recompute the keys and values of every running sequence (prompt + all but its last token) with the
+        current weights, after a weight update: the next tokens then depend on the new weights only."""
+        if self.running:
+            self._prefill_prompts([(s.slot, s.request.prompt + tuple(s.tokens[:-1])) for s in self.running])
+
     # ------------------------------------------------------------------ prefill
     def _prefill(self, groups: list[list[Sequence]]) -> list[Sequence]:
         """Prefill each group's prompt once (into its first sample's slot), copy it to the other slots,

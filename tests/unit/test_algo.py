@@ -432,3 +432,31 @@ def test_rollout_mismatch_against_float64_hand_computation():
     k3 = sum(math.exp(x) - 1 - x for x in d)  # (r - 1) - log r
     # float32 inputs (log-probs rounded to ~6e-8), float64 arithmetic: measured error 4e-9
     assert float(m["rollout/mismatch_k3_sum"]) == pytest.approx(k3, abs=1e-7)
+
+
+def test_decoupled_ppo_on_stale_data_matches_float64_hand_computation():
+    """Current policy != proximal != behaviour (a stale async sample): ratio against the proximal policy,
+    clipped; each token weighted by pi_prox / pi_behav, capped; the weight carries no gradient."""
+    logp0 = torch.tensor([-0.7, -2.0, -1.1, -0.3], dtype=F64)  # current policy during the update
+    prox = torch.tensor([-1.0, -1.5, -1.0, -0.2], dtype=F64)  # recomputed before the update
+    behav = torch.tensor([-1.2, -1.3, -2.9, -0.25], dtype=F64)  # the stale rollout policy
+    adv = torch.tensor([1.0, -1.0, 2.0, -0.5], dtype=F64)
+    eps_low, eps_high, cap = 0.2, 0.28, 5.0
+    logp = logp0.clone().requires_grad_(True)
+    loss, stats = ppo_token_loss(logp, prox, adv, clip_low=eps_low, clip_high=eps_high, behav_logprobs=behav,
+                                 behav_is_cap=cap)  # fmt: skip
+    expected, expected_grad = [], []
+    for lp, px, bh, a in zip(logp0.tolist(), prox.tolist(), behav.tolist(), adv.tolist()):
+        r = math.exp(lp - px)
+        rc = min(max(r, 1 - eps_low), 1 + eps_high)
+        w = min(math.exp(px - bh), cap)
+        unclipped, clipped = r * a, rc * a
+        expected.append(-w * min(unclipped, clipped))
+        # the gradient flows only through the unclipped branch when it is the minimum
+        expected_grad.append(-w * a * r if unclipped <= clipped else 0.0)
+    # token 0: r = e^0.3 = 1.35 > 1.28 with A > 0 (clipped); token 1: r = e^-0.5 = 0.61 < 0.8 with A < 0
+    # (clipped); token 2: w = e^1.9 = 6.7 capped at 5; token 3: r = e^-0.1 inside the range
+    torch.testing.assert_close(loss.detach(), torch.tensor(expected, dtype=F64), rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=F64), rtol=0, atol=1e-12)
+    assert stats["is_weight"][2].item() == cap

@@ -289,3 +289,18 @@ def test_split_minibatches_keeps_groups():
         split_minibatches(10, 2, group_size=4)
     with pytest.raises(ValueError, match="evenly"):
         split_minibatches(12, 5, group_size=3)
+
+
+def test_mixed_version_sample_packs_each_token_s_behaviour_logprob_and_freshness():
+    """A sample interrupted by a weight sync: tokens of versions 3 and 4. Each response token's behaviour
+    log-prob sits at the position that predicts it, and only the version-4 tokens are fresh at version 4."""
+
+    s = Sample(prompt_ids=(1, 2), response_ids=(7, 8, 9), behav_logprobs=(-0.1, -0.2, -0.3), version=3,
+               token_versions=(3, 3, 4))  # fmt: skip
+    other = Sample(prompt_ids=(5,), response_ids=(6,), behav_logprobs=(-0.9,), version=4, token_versions=(4,))
+    batch = pack_samples([s, other], torch.tensor([1.0, -1.0]), fresh_version=4)
+    # positions 1, 2, 3 predict tokens 7, 8, 9 of the first sample; position 5 predicts token 6
+    assert batch.loss_mask.tolist() == [False, True, True, True, False, True, False]
+    assert batch.behav_logprobs[batch.loss_mask].tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.9])
+    assert batch.fresh_mask.tolist() == [False, False, False, True, False, True, False]
+    assert batch.targets[batch.loss_mask].tolist() == [7, 8, 9, 6]

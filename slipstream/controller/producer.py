@@ -1,0 +1,190 @@
+"""The async loop's producer: a background thread that generates and scores the batches of future steps.
+
+Batch j is the j-th step's prompts (drawn from the data stream in order, as the sync loop draws
+them). The producer starts batch j only once the trainer holds version j - max_staleness
+(AReaL's admission rule): every token of batch j is then sampled by weights of version
+>= j - max_staleness, and the trainer, which trains batch j at version j, never sees a token
+staler than max_staleness. With max_staleness 0 the producer waits for each weight sync and the
+run is the sync loop's, step for step.
+
+Within a batch, groups are generated with continuous batching next to the requests of later
+batches. A weight sync does not wait for them: the trainer's `update_weights` takes the engine
+lock between two engine steps, copies the weights in place, and in-flight samples continue (their
+next tokens carry the new version). A group is scored as soon as its last sample finishes; with
+dynamic sampling a group whose rewards are all equal is dropped and the next prompt of the stream
+takes its place, so batch j is always full of groups with a learning signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from slipstream.batching.records import Sample
+from slipstream.controller.prompts import PromptSource
+from slipstream.controller.stages import Stages
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Batch:
+    """What the producer knows of one step's batch."""
+
+    stream_start: int
+    """Data-stream position of the batch's first prompt (the resume point when this batch is next)."""
+    needed: int
+    """Groups this rank must deliver."""
+    pending: dict[int, list] = field(default_factory=dict)
+    """group id -> (record, samples finished so far)."""
+    done: list[list[Sample]] = field(default_factory=list)
+    dropped_zero_adv: int = 0
+    extra_prompts: int = 0
+
+
+class RolloutProducer:
+    """Runs the rollout engine in a thread, `max_staleness` batches ahead of the trainer at most."""
+
+    def __init__(
+        self, stages: Stages, prompts: PromptSource, max_staleness: int, first_step: int,
+        dynamic_sampling: bool = False, max_extra_prompts: int = 0,
+    ) -> None:  # fmt: skip
+        self.stages, self.prompts = stages, prompts
+        self.max_staleness = max_staleness
+        self.dynamic_sampling, self.max_extra_prompts = dynamic_sampling, max_extra_prompts
+        self.trainer_version = first_step
+        self.next_batch = first_step
+        self.batches: dict[int, _Batch] = {}
+        self.starts: dict[int, int] = {}  # batch -> data-stream position of its first prompt (kept after take)
+        self.engine_lock = threading.Lock()  # held for every engine step and every weight update
+        self.cond = threading.Condition()
+        self.idle_s = 0.0  # producer time with nothing to do (throttled by the staleness bound, or no prompts)
+        self.error: BaseException | None = None
+        self._stop = False
+        self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    # ------------------------------------------------------------------ trainer side
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self._thread.join()
+
+    def take(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Block until batch `step` is complete; its samples (group order) and producer metrics."""
+        with self.cond:
+            while not self._complete(step):
+                if self.error is not None:
+                    raise RuntimeError("the rollout producer failed") from self.error
+                self.cond.wait(timeout=1.0)
+            batch = self.batches.pop(step)
+            idle, self.idle_s = self.idle_s, 0.0
+        groups = sorted(batch.done, key=lambda g: g[0].group_id)
+        metrics = {
+            "async/dropped_zero_adv_groups": float(batch.dropped_zero_adv),
+            "async/extra_prompts": float(batch.extra_prompts),
+            "async/batches_ahead": float(max(self.next_batch - step - 1, 0)),
+            "perf/rollout_idle_time": idle,
+        }
+        return [s for g in groups for s in g], metrics
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        """Copy new weights into the engine between two engine steps; admit the batches version allows."""
+        with self.engine_lock:
+            self.stages.rollout.update_weights(named_tensors, version=version)
+        with self.cond:
+            self.trainer_version = version
+            self.cond.notify_all()
+
+
+    # ------------------------------------------------------------------ producer thread
+    def _complete(self, step: int) -> bool:
+        batch = self.batches.get(step)
+        return batch is not None and len(batch.done) >= batch.needed and not batch.pending
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    if self._stop:
+                        return
+                    start_batch = self.next_batch <= self.trainer_version + self.max_staleness
+                if start_batch:
+                    self._start_batch()
+                    continue
+                if self.stages.rollout.has_work:
+                    with self.engine_lock:
+                        finished = self.stages.rollout.step()
+                    self._collect(finished)
+                    continue
+                with self.cond:  # throttled: wait for the next weight sync (or stop)
+                    started = time.perf_counter()
+                    while not self._stop and self.next_batch > self.trainer_version + self.max_staleness:
+                        self.cond.wait()
+                    self.idle_s += time.perf_counter() - started
+        except BaseException as err:  # surfaced to the trainer thread by take()
+            log.exception("rollout producer failed")
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+    def _start_batch(self) -> None:
+        j = self.next_batch
+        stream_start = self.prompts.dataset.position
+        first, records = self.stages.my_share(self.prompts.next_batch())
+        batch = _Batch(stream_start=stream_start, needed=len(records))
+        with self.cond:
+            self.batches[j] = batch
+            self.starts[j] = stream_start
+            self.next_batch += 1
+        self._submit(j, [(first + g, r) for g, r in enumerate(records)])
+
+    def _submit(self, j: int, groups: list) -> None:
+        batch = self.batches[j]
+        for group_id, record in groups:
+            batch.pending[group_id] = [record, [None] * self.stages.sampling.n]
+        with self.engine_lock:
+            self.stages.rollout.submit(
+                [r.prompt_ids for _, r in groups], self.stages.sampling, keys=[r.index for _, r in groups],
+                tags=[(j, gid) for gid, _ in groups], budgets=self.stages.budgets_for([gid for gid, _ in groups]),
+            )  # fmt: skip
+
+    def _collect(self, finished: list) -> None:
+        """File finished samples under their group; score groups whose samples are all in."""
+        for (j, group_id), index, sample in finished:
+            record, samples = self.batches[j].pending[group_id]
+            samples[index] = sample
+            if all(s is not None for s in samples):
+                del self.batches[j].pending[group_id]
+                self._finish_group(j, group_id, record, samples)
+
+    def _finish_group(self, j: int, group_id: int, record, samples: list[Sample]) -> None:
+        scored = self.stages.score(self.stages.label(samples, group_id, record))
+        batch = self.batches[j]
+        if self.dynamic_sampling and not self.stages.has_signal(scored):
+            batch.dropped_zero_adv += 1
+            if batch.extra_prompts < self.max_extra_prompts:
+                batch.extra_prompts += 1
+                self._submit(j, [(self._replacement_id(j), self._spare_prompt())])
+                return
+            log.warning("dynamic sampling: no prompt left for step %d after %d extra prompts; "
+                        "training on a zero-advantage group", j + 1, batch.extra_prompts)  # fmt: skip
+        with self.cond:
+            batch.done.append(scored)
+            self.cond.notify_all()
+
+    def _spare_prompt(self):
+        if not self._spare:
+            self._spare = list(self.prompts.next_batch())
+        return self._spare.pop(0)
+
+    def _replacement_id(self, j: int) -> int:
+        """Group ids beyond the batch's own (prompts_per_step onwards), unique within the batch."""
+        batch = self.batches[j]
+        return self.stages.cfg.rollout.prompts_per_step + batch.extra_prompts
