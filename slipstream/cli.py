@@ -21,11 +21,11 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from slipstream.controller.grpo import RLTrainer
+    from slipstream.controller.grpo import build_trainer
     from slipstream.report import write_report
 
     try:
-        trainer = RLTrainer(cfg)
+        trainer = build_trainer(cfg)
     except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, ...
         print(f"config error: {err}", file=sys.stderr)
         return 2

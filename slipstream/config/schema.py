@@ -277,6 +277,14 @@ class TrainerSection:
 
 
 @dataclass
+class PlacementSection:
+    """Where rollout and training run when several processes are launched (torchrun)."""
+
+    rollout_ranks: int = 0
+    """0: every rank generates its share and trains (colocated); R > 0: the last R ranks only generate and the others only train (disaggregated), weights broadcast after each step."""
+
+
+@dataclass
 class Config:
     """A whole slipstream run."""
 
@@ -294,6 +302,8 @@ class Config:
     """The policy update."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     """The run."""
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    """Rollout / trainer placement over processes."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -330,6 +340,7 @@ def check_config(cfg: Config) -> None:
             "actor.grad_clip": cfg.actor.grad_clip,
             "trainer.save_every": cfg.trainer.save_every,
             "trainer.max_staleness": cfg.trainer.max_staleness,
+            "placement.rollout_ranks": cfg.placement.rollout_ranks,
             "algo.dynamic_sampling_max_prompts": a.dynamic_sampling_max_prompts,
         }),
         "> 0": (lambda v: v > 0, {

@@ -29,10 +29,13 @@ from slipstream.checkpoint.manager import CheckpointManager, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
-from slipstream.controller.loops import AsyncLoop, SyncLoop
+from slipstream.controller.loops import AsyncLoop, DisaggregatedLoop, SyncLoop
+from slipstream.controller.placement import Placement, RemoteRollout, RolloutWorker, make_placement, staleness_bound
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
+from slipstream.engine.distributed import rank as dp_rank
+from slipstream.engine.distributed import world_size as dp_world_size
 from slipstream.engine.factory import build_engine
 from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
@@ -43,12 +46,32 @@ log = logging.getLogger(__name__)
 __all__ = ["NonFiniteLoss", "RLTrainer"]
 
 
+def build_trainer(cfg: Config) -> "RLTrainer | RolloutWorker":
+    """What this process runs: the trainer, or, on the rollout ranks of a disaggregated placement, a
+    rollout worker (both have fit(), rank and run_dir)."""
+    if cfg.placement.rollout_ranks > 0:
+        placement = make_placement(cfg, setup.pick_device(cfg.trainer.device).type)
+        if placement.role == "rollout":
+            return RolloutWorker(cfg, placement)
+        return RLTrainer(cfg, placement)
+    return RLTrainer(cfg)
+
+
 class RLTrainer:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, placement: Placement | None = None) -> None:
         self.cfg = cfg
-        # torchrun's environment; the engine's process group is created when the engine is built
+        self.placement = placement
+        # torchrun's environment; the engine's process group is created when the engine is built. With a
+        # disaggregated placement the trainer's world is the trainer ranks (their data-parallel group).
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local":
+        if placement is not None:
+            self.rank, self.world = dp_rank(), dp_world_size()
+            if self.world > 1:
+                raise ValueError(
+                    f"placement.rollout_ranks with {self.world} trainer ranks: training over several ranks next to "
+                    "rollout ranks is not wired yet (FSDP over the trainer ranks); use one trainer rank"
+                )
+        if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local" and placement is None:
             raise ValueError(
                 f"{self.world} processes need a distributed backend: set actor.backend=fsdp (or megatron); "
                 "the local backend trains in one process"
@@ -86,7 +109,10 @@ class RLTrainer:
         if ref_model is not None:
             self.ref = build_engine(ref_model, self.device, compute_dtype, temperature, cfg.actor, forward_only=True)
 
-        self.rollout = setup.build_rollout(cfg, self.model_cfg, self.device, compute_dtype)
+        if placement is None:
+            self.rollout = setup.build_rollout(cfg, self.model_cfg, self.device, compute_dtype)
+        else:  # the rollout ranks generate; this side broadcasts weights and receives batches
+            self.rollout = RemoteRollout(placement, self.device)
         self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
         self.prompts = PromptSource(cfg, self.tokenizer)
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
@@ -102,7 +128,12 @@ class RLTrainer:
         self.stages.decoupled = setup.is_decoupled(cfg)
         if cfg.algo.dynamic_sampling and self.world > 1:
             raise ValueError("algo.dynamic_sampling runs in one process only (each rank would draw the same spare prompts)")
-        self.loop = AsyncLoop(self.stages, self.prompts) if cfg.trainer.mode == "async" else SyncLoop(self.stages, self.prompts)
+        if placement is not None:
+            self.loop = DisaggregatedLoop(self.stages, staleness_bound(cfg))
+        elif cfg.trainer.mode == "async":
+            self.loop = AsyncLoop(self.stages, self.prompts)
+        else:
+            self.loop = SyncLoop(self.stages, self.prompts)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
         self.step_num = 0
         self._saved_step: int | None = None
@@ -111,6 +142,11 @@ class RLTrainer:
             raise ValueError(
                 f"trainer.run_dir={cfg.trainer.run_dir!r} already holds checkpoints (newest {latest.name}) and "
                 "trainer.resume=false: pick a new trainer.run_dir, or set trainer.resume=true to continue that run"
+            )
+        if latest is not None and placement is not None:
+            raise ValueError(
+                f"{latest} exists: resuming a run with placement.rollout_ranks is not supported yet; start a new "
+                "trainer.run_dir"
             )
         if latest is not None:
             self._restore(latest)

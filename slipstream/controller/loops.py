@@ -122,7 +122,7 @@ class AsyncLoop:
             if st.world > 1:
                 with timer.phase("gather_samples"):
                     samples = st.gather(samples)
-            samples, dropped = self._within_bound(samples, step_num)
+            samples, dropped = within_bound(samples, step_num, self.max_staleness)
             batch, rewards = st.make_batch(samples, fresh_version=step_num)
             batch = st.attach_logprobs(batch, timer)
             with timer.phase("actor_train"):
@@ -136,15 +136,6 @@ class AsyncLoop:
             **metrics, **st.sample_metrics(samples, rewards), **perf, **produced,
             **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
         }  # fmt: skip
-
-    def _within_bound(self, samples: list, step_num: int) -> tuple[list, int]:
-        """Drop (and count) the groups holding a token staler than max_staleness. The producer's admission
-        rule keeps this from happening; the check makes the bound a guarantee, not a hope."""
-        oldest: dict[int, int] = {}
-        for s in samples:
-            oldest[s.group_id] = min(oldest.get(s.group_id, s.version), s.version)
-        stale = {g for g, v in oldest.items() if step_num - v > self.max_staleness}
-        return [s for s in samples if s.group_id not in stale], len(stale)
 
     def state_dict(self, next_step: int) -> dict:
         """Where the data stream resumes: at the first prompt of the next step's batch, so that what is in
@@ -169,3 +160,49 @@ def _groups(samples: list) -> list[list]:
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
     return list(groups.values())
+
+
+def within_bound(samples: list, step_num: int, max_staleness: int) -> tuple[list, int]:
+    """Drop (and count) the groups holding a token sampled more than `max_staleness` versions before
+    `step_num`. The admission rules keep this from happening; the check makes the bound a guarantee."""
+    oldest: dict[int, int] = {}
+    for s in samples:
+        oldest[s.group_id] = min(oldest.get(s.group_id, s.version), s.version)
+    stale = {g for g, v in oldest.items() if step_num - v > max_staleness}
+    return [s for s in samples if s.group_id not in stale], len(stale)
+
+
+class DisaggregatedLoop:
+    """The trainer ranks' loop when other ranks generate (controller/placement.py): take the step's batch
+    from the rollout ranks, train, broadcast the new weights."""
+
+    def __init__(self, stages: Stages, max_staleness: int) -> None:
+        self.stages = stages
+        self.max_staleness = max_staleness
+
+    def step(self, step_num: int) -> dict[str, float]:
+        st = self.stages
+        timer = PhaseTimer(st.engine.device)
+        with timer.phase("step"):
+            with timer.phase("wait_rollout"):
+                samples = st.rollout.gather_batch()
+            samples, dropped = within_bound(samples, step_num, self.max_staleness)
+            batch, rewards = st.make_batch(samples, fresh_version=step_num)
+            batch = st.attach_logprobs(batch, timer)
+            with timer.phase("actor_train"):
+                metrics = st.train(batch, step_num)
+            with timer.phase("update_weights"):
+                st.sync_weights(step_num + 1)
+        return {
+            **metrics, **st.sample_metrics(samples, rewards), **st.perf(batch, samples, timer),
+            **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
+        }  # fmt: skip
+
+    def state_dict(self, next_step: int) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from slipstream.batching.records import Sample
 from slipstream.controller.prompts import PromptSource
-from slipstream.controller.stages import Stages
+from slipstream.controller.stages import Stages, label_group
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class RolloutProducer:
                 self._finish_group(j, group_id, record, samples)
 
     def _finish_group(self, j: int, group_id: int, record, samples: list[Sample]) -> None:
-        scored = self.stages.score(self.stages.label(samples, group_id, record))
+        scored = self.stages.score(label_group(samples, group_id, record))
         batch = self.batches[j]
         if self.dynamic_sampling and not self.stages.has_signal(scored):
             batch.dropped_zero_adv += 1

@@ -29,7 +29,7 @@ from slipstream.batching.shard import local_micro_batches
 from slipstream.config.schema import Config
 from slipstream.controller.prompts import TokenizedPrompt
 from slipstream.engine.base import MAX_METRIC_SUFFIX, TrainEngine
-from slipstream.engine.distributed import all_reduce_, gather_per_token
+from slipstream.engine.distributed import all_reduce_, data_parallel_group, gather_per_token
 from slipstream.engine.local import OutOfMemory
 from slipstream.models.config import ModelConfig
 from slipstream.perf.timers import PhaseTimer, perf_metrics
@@ -78,12 +78,8 @@ class Stages:
 
     def generate(self, records: list[TokenizedPrompt], first_group: int) -> list[Sample]:
         """`group_size` samples per prompt, group ids numbered from `first_group`."""
-        group_ids = [first_group + g for g in range(len(records))]
-        groups = self.rollout.generate(
-            [r.prompt_ids for r in records], self.sampling, keys=[r.index for r in records],
-            budgets=self.budgets_for(group_ids),
-        )  # fmt: skip
-        return [s for gid, r, group in zip(group_ids, records, groups) for s in self.label(group, gid, r)]
+        budgets = self.budgets_for([first_group + g for g in range(len(records))])
+        return generate_groups(self.rollout, self.sampling, records, first_group, budgets)
 
     def budgets_for(self, group_ids: list[int]) -> list[list[int]] | None:
         """Per-sample budgets of these groups when the step has mixed lengths (sample_budgets), else None."""
@@ -92,21 +88,9 @@ class Stages:
         n = self.sampling.n
         return [self.sample_budgets[g * n : (g + 1) * n] for g in group_ids]
 
-    @staticmethod
-    def label(samples: list[Sample], group_id: int, record: TokenizedPrompt) -> list[Sample]:
-        """A group's samples with their group id, prompt text and ground truth."""
-        return [
-            replace(s, group_id=group_id, prompt_index=record.index, prompt_text=record.prompt_text, answer=record.answer)
-            for s in samples
-        ]
 
     def score(self, samples: list[Sample]) -> list[Sample]:
-        texts = self.tokenizer.batch_decode([list(s.response_ids) for s in samples], skip_special_tokens=True)
-        scored = self.rewards.score([(t, s.answer, s.prompt_text) for t, s in zip(texts, samples)])
-        return [
-            replace(s, response_text=t, reward=float(r), reward_info=info)
-            for s, t, (r, info) in zip(samples, texts, scored)
-        ]
+        return score_samples(self.tokenizer, self.rewards, samples)
 
     @staticmethod
     def has_signal(group: list[Sample]) -> bool:
@@ -118,7 +102,7 @@ class Stages:
         if self.world == 1:
             return samples
         gathered: list = [None] * self.world
-        torch.distributed.all_gather_object(gathered, samples)
+        torch.distributed.all_gather_object(gathered, samples, group=data_parallel_group())
         return sorted((s for part in gathered for s in part), key=lambda s: s.group_id)
 
     def sync_weights(self, version: int) -> None:
@@ -249,6 +233,32 @@ class Stages:
             slowest = all_reduce_(torch.tensor([times["rollout"]], dtype=torch.float64), op=torch.distributed.ReduceOp.MAX)
             times = {**times, "rollout": float(slowest[0])}
         return times
+
+
+def generate_groups(
+    rollout: RolloutEngine, sampling: SamplingParams, records: list[TokenizedPrompt], first_group: int,
+    budgets: list[list[int]] | None = None,
+) -> list[Sample]:  # fmt: skip
+    """`sampling.n` samples of each prompt, keyed by its data-stream position; group ids from `first_group`."""
+    groups = rollout.generate([r.prompt_ids for r in records], sampling, keys=[r.index for r in records], budgets=budgets)
+    return [s for g, (r, group) in enumerate(zip(records, groups)) for s in label_group(group, first_group + g, r)]
+
+
+def label_group(samples: list[Sample], group_id: int, record: TokenizedPrompt) -> list[Sample]:
+    """A group's samples with their group id, data-stream position, prompt text and ground truth."""
+    return [
+        replace(s, group_id=group_id, prompt_index=record.index, prompt_text=record.prompt_text, answer=record.answer)
+        for s in samples
+    ]
+
+
+def score_samples(tokenizer, rewards: RewardRunner, samples: list[Sample]) -> list[Sample]:
+    """Decode the responses and score them in the reward workers."""
+    texts = tokenizer.batch_decode([list(s.response_ids) for s in samples], skip_special_tokens=True)
+    scored = rewards.score([(t, s.answer, s.prompt_text) for t, s in zip(texts, samples)])
+    return [
+        replace(s, response_text=t, reward=float(r), reward_info=info) for s, t, (r, info) in zip(samples, texts, scored)
+    ]
 
 
 def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:

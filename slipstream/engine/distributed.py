@@ -26,6 +26,7 @@ from slipstream.batching.records import PackedBatch
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _mesh: DeviceMesh | None = None
+_dp_group: dist.ProcessGroup | None = None  # the trainer's data-parallel ranks; None: every rank
 
 
 def _backend(device_type: str) -> str:
@@ -88,14 +89,26 @@ def dp_mesh(device_type: str) -> DeviceMesh:
     return _mesh
 
 
+def set_data_parallel_group(group: dist.ProcessGroup | None) -> None:
+    """Restrict the trainer's collectives (`all_reduce_`, `world_size`, `rank`, ...) to `group`: with a
+    disaggregated placement the rollout ranks are in the world but not in the trainer's reductions."""
+    global _dp_group
+    _dp_group = group
+
+
+def data_parallel_group() -> dist.ProcessGroup | None:
+    """The group of the trainer's data-parallel ranks (None: the default group, every rank)."""
+    return _dp_group
+
+
 def world_size() -> int:
     """Number of data-parallel ranks (1 when no process group exists)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size(_dp_group) if dist.is_initialized() else 1
 
 
 def rank() -> int:
-    """This process's rank (0 when no process group exists)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank among the data-parallel ranks (0 when no process group exists)."""
+    return dist.get_rank(_dp_group) if dist.is_initialized() else 0
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -104,7 +117,7 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceO
     CPU tensors use the gloo backend, CUDA tensors NCCL (see the module docstring).
     """
     if world_size() > 1:
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=op, group=_dp_group)
     return tensor
 
 
@@ -146,7 +159,7 @@ def free_port() -> int:
 
 def destroy_distributed() -> None:
     """Tear down the default process group and the cached mesh (tests, end of a run)."""
-    global _mesh
-    _mesh = None
+    global _mesh, _dp_group
+    _mesh = _dp_group = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -145,3 +145,42 @@ def test_one_process_resumes_a_two_rank_checkpoint(tmp_path):
     _run(tmp_path, "run", 2, SMALL, world=2)
     (resumed,) = _run(tmp_path, "run", 4, SMALL, world=1)
     assert [m["step"] for m in resumed["metrics"]] == [3, 4]
+
+
+def _disaggregated_worker(rank: int, world: int, port: int, run_dir: str, steps: int, extra: tuple, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        from slipstream.controller.grpo import build_trainer
+
+        cfg = load_config("recipes/demo.yaml", [
+            f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "placement.rollout_ranks=1", *extra,
+        ])  # fmt: skip
+        trainer = build_trainer(cfg)
+        seen: list[dict] = []
+        if isinstance(trainer, RLTrainer):
+            log = trainer.logger.log
+            trainer.logger.log = lambda step, metrics: (seen.append({"step": step, **metrics}), log(step, metrics))
+        trainer.fit()
+        torch.save({"metrics": seen, "role": type(trainer).__name__}, Path(out) / f"rank{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mode):
+    """1 rollout rank + 1 trainer rank (gloo): batches travel to the trainer, weights back to the rollout; the
+    demo is learned, and in async mode (max_staleness 1) generation runs one version behind."""
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = ("trainer.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}", "trainer.max_staleness=1")
+    mp.spawn(_disaggregated_worker, args=(2, free_port(), str(tmp_path / "run"), 120, extra, str(out)), nprocs=2,
+             join=True)  # fmt: skip
+    trainer, rollout = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert (trainer["role"], rollout["role"]) == ("RLTrainer", "RolloutWorker")
+    rewards = [m["reward/mean"] for m in trainer["metrics"]]
+    assert len(rewards) == 120
+    assert sum(rewards[:10]) / 10 < 0.2 and sum(rewards[-10:]) / 10 > 0.8
+    lags = [m["async/staleness_max"] for m in trainer["metrics"]]
+    assert max(lags) == (1 if mode == "async" else 0)
