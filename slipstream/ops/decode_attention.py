@@ -51,9 +51,9 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, Starts, Lengths, Acc, ML,
+        Q, K, V, Starts, Lengths, Acc, ML, Out,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-        stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+        stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
         scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):  # fmt: skip
@@ -89,6 +89,11 @@ if triton is not None:
             v = tl.load(V + rows[:, None] * stride_vn + h * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if NUM_SPLITS == 1:  # the whole sequence in this program: normalise and write the output directly
+            out = acc / l_i[:, None]
+            out_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=in_group[:, None])
+            return
         # an empty split (short sequence) leaves m = -inf, l = 0, acc = 0: weight 0 in the merge
         acc_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + d[None, :]
         tl.store(acc_ptr, acc, mask=in_group[:, None])
@@ -134,17 +139,20 @@ def decode_attention(
         raise ValueError(f"decode_attention needs Hq % Hkv == 0, a power-of-two head dim and contiguous rows (got {q.shape})")
     group = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    acc = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    # one split: the split kernel writes `out` itself and the workspaces are never touched
+    acc = torch.empty((bsz, hq, num_splits, d) if num_splits > 1 else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    ml = torch.empty((bsz, hq, num_splits, 2) if num_splits > 1 else (1, 1, 1, 2), dtype=torch.float32, device=q.device)
     _split_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, starts, lengths, acc, ml,
+        q, k_cache, v_cache, starts, lengths, acc, ml, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
         NUM_SPLITS=num_splits, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
-    out = torch.empty_like(q)
+    if num_splits == 1:
+        return out
     _merge_kernel[(bsz, hq)](
         acc, ml, out, acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
         out.stride(0), out.stride(1), D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
