@@ -98,6 +98,10 @@ class RewardSection:
     """Score given to a completion whose reward raised or timed out."""
 
 
+GROUP_ADVANTAGES = ("grpo", "rloo")
+"""Estimators that compare the completions of one prompt: a group of one always gets advantage 0."""
+
+
 @dataclass
 class AlgoSection:
     """The RL objective: advantages and the policy loss."""
@@ -116,6 +120,8 @@ class AlgoSection:
     """Weight of the KL penalty to the reference model; 0 builds no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator."""
+    kl_clamp: float | None = 10.0
+    """k3 only: clamp each token's KL value to [-kl_clamp, kl_clamp], zero gradient beyond (as verl does); without it a token with ref - logp = 23.5 adds e^20 - 21 = 4.85e8 and dominates the loss. None: no clamp."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (entropy is computed only when this is > 0 or it is logged)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -306,6 +312,7 @@ def check_config(cfg: Config) -> None:
             "actor.lr": cfg.actor.lr,
             "actor.eps": cfg.actor.eps,
             "algo.behav_is_cap": a.behav_is_cap,
+            "algo.kl_clamp": a.kl_clamp,
             "trainer.peak_flops": cfg.trainer.peak_flops,
         }),
     }  # fmt: skip
@@ -317,6 +324,12 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"rollout.temperature must be > 0, got {r.temperature}")
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.group_size < 2 and a.advantage in GROUP_ADVANTAGES:
+        raise ValueError(
+            f"rollout.group_size={r.group_size} with algo.advantage={a.advantage}: its advantages compare the "
+            "completions of one prompt, so a group of one always gets 0 and nothing is learned; set "
+            "rollout.group_size >= 2, or algo.advantage=reinforce (a batch-mean baseline, no groups needed)"
+        )
     if r.prompts_per_step % a.ppo_n_minibatches:
         raise ValueError(
             f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "

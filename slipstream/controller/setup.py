@@ -136,7 +136,7 @@ def build_loss_fn(cfg: Config) -> SpecLoss:
     return SpecLoss(
         LossSpec(
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg,
+            kl_estimator=a.kl_estimator, kl_clamp=a.kl_clamp, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg,
             behav_is_cap=a.behav_is_cap,
         )
     )  # fmt: skip

@@ -40,6 +40,8 @@ def test_defaults_and_overrides(tmp_path):
         ("reward.num_workers=-2", "reward.num_workers must be >= 0"),
         ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
         ("algo.behav_is_cap=0", "algo.behav_is_cap must be > 0"),
+        ("algo.kl_clamp=0", "algo.kl_clamp must be > 0"),
+        ("rollout.group_size=1", "rollout.group_size=1 with algo.advantage=grpo"),
         ("actor.lr.x=1", "'lr' is a value, not a section"),
     ],
 )
@@ -52,6 +54,21 @@ def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_group_size_one_needs_an_estimator_without_groups():
+    import torch
+
+    from slipstream.algo.advantages import ADVANTAGE_FNS, get_advantage_fn
+
+    with pytest.raises(ValueError, match="or algo.advantage=reinforce"):
+        load_config(None, ["rollout.group_size=1", "algo.advantage=rloo"])
+    assert load_config(None, ["rollout.group_size=1", "algo.advantage=reinforce"]).rollout.group_size == 1
+    # the list tells the truth: exactly these estimators give 0 to every group of one
+    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
+    for name in ADVANTAGE_FNS:
+        learns = bool(get_advantage_fn(name)(rewards, groups).abs().sum() > 0)
+        assert learns == (name not in schema.GROUP_ADVANTAGES), name
 
 
 def test_bad_recipe(tmp_path):
