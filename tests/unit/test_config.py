@@ -76,7 +76,7 @@ def test_bad_recipe(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a\n- b\n")
-    with pytest.raises(ValueError, match="must be a mapping"):
+    with pytest.raises(ValueError, match="bad.yaml:1:1: a recipe is a mapping of sections, got a list"):
         load_config(bad)
 
 

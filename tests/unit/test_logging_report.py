@@ -107,6 +107,18 @@ def test_console_sink_prints_every_k_steps():
     assert ConsoleSink.format_line(7, {}) == "step 7"
 
 
+def test_console_sink_lines_do_not_wrap_in_a_log_file():
+    buf = io.StringIO()  # a file or pipe: rich assumes 80 columns there
+    sink = ConsoleSink(total_steps=3, print_every=1, console=Console(file=buf, force_terminal=False))
+    metrics = {"reward/mean": 0.123456, "actor/pg_loss": -0.0123, "actor/kl": 0.00123, "actor/entropy": 1.2345,
+               "actor/grad_norm": 0.98765, "rollout/response_len_mean": 123.45, "perf/step_time": 12.345,
+               "perf/rollout_time": 4.5678, "perf/actor_train_time": 6.789, "perf/actor_train_mfu": 0.4321}
+    sink.log(1, metrics)
+    sink.close()
+    lines = [line for line in buf.getvalue().splitlines() if line.strip()]
+    assert lines[0] == ConsoleSink.format_line(1, metrics) and len(lines[0]) > 80
+
+
 def test_console_sink_resumed_run_and_alternate_keys():
     buf = io.StringIO()
     sink = ConsoleSink(total_steps=10, print_every=1, console=Console(file=buf, width=200), start_step=6)
@@ -196,8 +208,11 @@ def test_report_with_missing_metrics(tmp_path):
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
     assert write_report(empty).is_file()
-    with pytest.raises(ValueError, match="no metrics.jsonl"):
+    with pytest.raises(ValueError, match="does not exist"):
         write_report(tmp_path / "missing")
+    (tmp_path / "no_metrics").mkdir()
+    with pytest.raises(ValueError, match="has no metrics.jsonl"):
+        write_report(tmp_path / "no_metrics")
 
 
 def test_summarize_first_vs_last_k():
