@@ -19,6 +19,10 @@ import yaml
 from slipstream.config.schema import Config
 
 
+MOVED_KEYS = {"trainer.tensorboard": "logging.tensorboard", "trainer.log_every": "logging.log_every"}
+"""Keys that moved to another section: an old recipe gets the new name, not a guess."""
+
+
 class RecipeError(ValueError):
     """An error located in a recipe file: the message starts with `file:line:column:`."""
 
@@ -127,6 +131,8 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
+        if f"{prefix}{key}" in MOVED_KEYS:
+            raise ValueError(f"config key '{prefix}{key}' moved to '{MOVED_KEYS[f'{prefix}{key}']}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"

@@ -195,7 +195,7 @@ class ActorSection:
     """The policy update: backend, optimizer, micro-batching."""
 
     backend: str = "local"
-    """Training backend: "local" (one process, CPU or one GPU), "fsdp" (FSDP2; N GPUs with torchrun) or "megatron[:d<D>t<T>p<P>c<C>]" (megatron-core; sizes default to 1, D = world / (T*P*C))."""
+    """Training backend: "local" (one process, CPU or one GPU), "fsdp" (FSDP2; N GPUs with torchrun) or "megatron[:d<D>t<T>]" (megatron-core; D data- and T tensor-parallel ranks, T defaults to 1, D to world / T; `slipstream train` runs D only, T runs under `slipstream bench train-step`). Pipeline / context sizes (p, c) are not wired yet and are rejected."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (attention / MLP inner ops) or full (every block)."""
     compile: bool = False
@@ -228,7 +228,7 @@ class ActorSection:
 
 @dataclass
 class TrainerSection:
-    """The run: length, seeds, device, checkpoints, logging."""
+    """The run: length, seeds, device, checkpoints."""
 
     total_steps: int = 20
     """RL steps to run."""
@@ -246,14 +246,38 @@ class TrainerSection:
     """Continue from the newest checkpoint in run_dir when one exists (false refuses a run_dir that has checkpoints)."""
     export_hf: bool = True
     """Write the final policy as an HF checkpoint to run_dir/hf."""
-    tensorboard: bool = True
-    """Also log to TensorBoard when it is installed."""
-    log_every: int = 1
-    """Print a console line every N steps."""
     peak_flops: float | None = None
     """Override the device's dense bf16 peak FLOP/s used for MFU."""
     stop_on_nan: bool = True
     """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
+
+
+@dataclass
+class WandbSection:
+    """Weights & Biases (`pip install wandb`); off unless enabled."""
+
+    enabled: bool = False
+    """Log every step's metrics to a W&B run (a resumed run continues the same W&B run)."""
+    project: str = "slipstream"
+    """W&B project."""
+    name: str | None = None
+    """W&B run name; None: the name of trainer.run_dir."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online (sync as the run goes), offline (files under run_dir/wandb, `wandb sync` later) or disabled."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go: run_dir/metrics.jsonl always, plus the console, TensorBoard and W&B."""
+
+    log_every: int = 1
+    """Print a console line every N steps."""
+    tensorboard: bool = True
+    """Also log to TensorBoard (run_dir/tb) when it is installed."""
+    wandb: WandbSection = field(default_factory=WandbSection)
+    """Weights & Biases."""
 
 
 @dataclass
@@ -274,6 +298,8 @@ class Config:
     """The policy update."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     """The run."""
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    """Metric sinks."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -295,7 +321,7 @@ def check_config(cfg: Config) -> None:
             "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
             "trainer.total_steps": cfg.trainer.total_steps,
             "trainer.keep_last": cfg.trainer.keep_last,
-            "trainer.log_every": cfg.trainer.log_every,
+            "logging.log_every": cfg.logging.log_every,
             "data.num_task_prompts": cfg.data.num_task_prompts,
         }),
         ">= 0": (lambda v: v >= 0, {
@@ -345,7 +371,12 @@ def check_config(cfg: Config) -> None:
         )
     if rw.timeout_s <= 0:
         raise ValueError(f"reward.timeout_s must be > 0, got {rw.timeout_s}")
-    parse_backend(cfg.actor.backend)
+    layout = parse_backend(cfg.actor.backend)[1]
+    if layout is not None and (layout.pp > 1 or layout.cp > 1):
+        raise ValueError(
+            f"actor.backend={cfg.actor.backend!r}: pipeline (p) and context (c) parallelism are not wired into the "
+            "megatron engine yet; use megatron:d<D>t<T>"
+        )
     if cfg.actor.master_dtype == "bfloat16":
         if cfg.model.dtype != "bfloat16":
             raise ValueError("actor.master_dtype=bfloat16 needs model.dtype=bfloat16 (bf16 weights cannot compute in float32)")

@@ -34,7 +34,7 @@ from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
 from slipstream.engine.factory import build_engine
-from slipstream.logging import MetricsLogger, build_sinks
+from slipstream.logging import MetricsLogger
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
 from slipstream.rollout.builtin import BuiltinRollout
@@ -118,11 +118,7 @@ class RLTrainer:
         if latest is not None:
             self._restore(latest)
         self.stages.sync_weights(version=self.step_num)
-        self.logger = MetricsLogger(
-            build_sinks(self.run_dir, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                        log_every=cfg.trainer.log_every, start_step=self.step_num)
-            if self.rank == 0 else []
-        )  # fmt: skip
+        self.logger = setup.build_metrics_logger(cfg, self.run_dir, self.step_num) if self.rank == 0 else MetricsLogger([])
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:

@@ -89,11 +89,37 @@ def test_resolved_config_round_trips(tmp_path):
 def test_every_field_documented():
     import dataclasses
 
-    for section in dataclasses.fields(Config):
-        cls = getattr(schema, type(getattr(Config(), section.name)).__name__)
+    sections = [Config]
+    while sections:
+        cls = sections.pop()
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+        nested = (getattr(cls(), f.name) for f in dataclasses.fields(cls))
+        sections += [type(value) for value in nested if dataclasses.is_dataclass(value)]
+
+
+def test_moved_keys_name_their_new_place(tmp_path):
+    for old, new in {"trainer.tensorboard=false": "logging.tensorboard", "trainer.log_every=5": "logging.log_every"}.items():
+        with pytest.raises(ValueError, match=f"config key '{old.split('=')[0]}' moved to '{new}'"):
+            load_config(None, [old])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("trainer:\n  total_steps: 3\n  log_every: 5\n")
+    with pytest.raises(ValueError, match=r"old.yaml:3:3: config key 'trainer.log_every' moved to 'logging.log_every'"):
+        load_config(recipe)
+    cfg = load_config(None, ["logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.tags=[a, b]"])
+    assert cfg.logging.wandb.enabled and cfg.logging.wandb.mode == "offline" and cfg.logging.wandb.tags == ["a", "b"]
+    assert not Config().logging.wandb.enabled  # off by default
+    with pytest.raises(ValueError, match="logging.wandb.mode must be one of"):
+        load_config(None, ["logging.wandb.mode=sometimes"])
+
+
+def test_megatron_sizes_that_are_not_wired_are_rejected():
+    for backend in ("megatron:p2", "megatron:t2c2"):
+        with pytest.raises(ValueError, match="not wired into the megatron engine yet; use megatron:d<D>t<T>"):
+            load_config(None, [f"actor.backend={backend}"])
+    assert load_config(None, ["actor.backend=megatron:d1t1p1c1"]).actor.backend == "megatron:d1t1p1c1"
+    assert "p<P>" not in render_reference() and "c<C>" not in render_reference()
 
 
 def test_reference_doc_in_sync():
