@@ -91,11 +91,13 @@ class RewardSection:
     num_workers: int = 1
     """Worker processes that run reward functions (0 runs them inline, without a timeout)."""
     timeout_s: float = 10.0
-    """Per-call limit; a reward that takes longer is scored `error_score`."""
+    """Per-call limit; a call that takes longer is stopped and scored `error_score`, and that function's other calls of the step are not run (a hanging function costs one timeout per step)."""
     on_error: Literal["zero", "raise"] = "zero"
-    """A reward that raises or hangs: log it and score `error_score` ("zero"), or stop the run ("raise")."""
+    """A reward that raises or hangs: score `error_score` and log one line per step ("zero"), or stop the run ("raise")."""
     error_score: float = 0.0
     """Score given to a completion whose reward raised or timed out."""
+    disable_after: int = 3
+    """Disable a function that timed out on every call for this many steps in a row (it drops out of the sum, with a message; 0: never)."""
 
 
 GROUP_ADVANTAGES = ("grpo", "rloo")
@@ -326,6 +328,7 @@ def check_config(cfg: Config) -> None:
         }),
         ">= 0": (lambda v: v >= 0, {
             "reward.num_workers": rw.num_workers,
+            "reward.disable_after": rw.disable_after,
             "rollout.top_k": r.top_k,
             "algo.kl_coef": a.kl_coef,
             "algo.entropy_coef": a.entropy_coef,

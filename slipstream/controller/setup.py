@@ -121,6 +121,7 @@ def build_rewards(cfg: Config, functions: list[str]) -> RewardRunner:
         timeout_s=cfg.reward.timeout_s,
         on_error=cfg.reward.on_error,
         error_score=cfg.reward.error_score,
+        disable_after=cfg.reward.disable_after,
     )
 
 
