@@ -23,23 +23,46 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from slipstream.controller.grpo import RLTrainer
-    from slipstream.report import write_report
+    try:  # start-up: imports (torch), model load, reward workers, resume
+        from slipstream.controller.grpo import Interrupted, RLTrainer
+        from slipstream.controller.run_dir import RunComplete
+        from slipstream.report import write_report
+        from slipstream.rewards.runner import RewardError
 
-    try:
-        trainer = RLTrainer(cfg)
-    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, ...
+        trainer = RLTrainer(cfg, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        print("interrupted during start-up: no step was run, nothing was saved", file=sys.stderr)
+        return 130
+    except RunComplete as done:
+        print(done)
+        return 0
+    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, run_dir in use, ...
         print(f"config error: {err}", file=sys.stderr)
         return 2
     try:
         trainer.fit()
-    except KeyboardInterrupt:
-        print(f"interrupted; checkpoint saved under {trainer.run_dir / 'checkpoints'} (run again to resume)")
+    except Interrupted as stop:
+        print(_stopped(stop), file=sys.stderr)
         return 130
+    except RewardError as err:  # reward.on_error=raise, or every reward function disabled
+        print(f"stopped: {err}", file=sys.stderr)
+        return 1
     if trainer.rank == 0:  # under torchrun the other ranks only train
         path = write_report(trainer.run_dir)
         print(f"run finished: {trainer.run_dir} (report: {path})")
     return 0
+
+
+def _stopped(stop) -> str:
+    """What an interrupted run left behind, in one line."""
+    if stop.saved is not None:
+        return (f"interrupted: checkpoint {stop.saved.name} saved after step {stop.step} in {stop.saved.parent}; "
+                "run the same command again to resume")  # fmt: skip
+    if stop.resume_point is not None:
+        where = f"a rerun resumes from {stop.resume_point.name} in {stop.resume_point.parent}"
+    else:
+        where = "there is no checkpoint: a rerun starts over (with --overwrite)"
+    return f"interrupted again: stopped at once during step {stop.step + 1}, no checkpoint was written; {where}"
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -60,7 +83,8 @@ def _recipe_list() -> str:
     for directory in (Path("recipes"), Path(__file__).resolve().parents[1] / "recipes"):
         for path in sorted(directory.glob("*.yaml")):
             shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
-            first = next((line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+            comments = (line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+            first = next(comments, "")
             found.setdefault(path.resolve(), (shown, first))
     if not found:
         return "a recipe is needed and none was found in recipes/ (fields: docs/config.md)\n"
@@ -85,9 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO / PPO from a recipe plus key=value overrides")
-    train.add_argument("recipe", nargs="?", metavar="RECIPE", help="YAML recipe (see recipes/); without one, the list of recipes")
+    train.add_argument("recipe", nargs="?", metavar="RECIPE",
+                       help="YAML recipe (see recipes/); without one, the list of recipes")  # fmt: skip
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="dotted overrides, e.g. actor.lr=1e-6 rollout.group_size=8")  # fmt: skip
+    train.add_argument("--overwrite", action="store_true",
+                       help="start over in a trainer.run_dir that holds an earlier run (its checkpoints, metrics, logs "
+                       "and export are deleted first)")  # fmt: skip
     train.set_defaults(func=_train, usage=train.format_usage())
 
     report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
@@ -101,13 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a nargs="*" positional at the first option: overrides after --overwrite land here
+    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # any command; train says more about what it left behind
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

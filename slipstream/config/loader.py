@@ -92,7 +92,9 @@ def _key_positions(path: Path, text: str) -> dict[str, str]:
 def _first_key_in(message: str, positions: dict[str, str]) -> str | None:
     """Position of the recipe key that `message` names (quoted, or dotted as in "rollout.group_size=1")."""
     for key in sorted(positions, key=len, reverse=True):  # "actor.lrr" before "actor.lr"
-        if re.search(rf"'{re.escape(key)}'" + (rf"|(?<![\w.]){re.escape(key)}(?![\w.])" if "." in key else ""), message):
+        quoted = rf"'{re.escape(key)}'"
+        dotted = rf"(?<![\w.]){re.escape(key)}(?![\w.])"  # a bare word like "model" is too common to match
+        if re.search(f"{quoted}|{dotted}" if "." in key else quoted, message):
             return positions[key]
     return None
 

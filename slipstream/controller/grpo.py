@@ -31,6 +31,7 @@ from slipstream.config.schema import Config, parse_backend
 from slipstream.controller import setup
 from slipstream.controller.loops import SyncLoop
 from slipstream.controller.prompts import PromptSource
+from slipstream.controller.run_dir import open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
 from slipstream.engine.factory import build_engine
@@ -41,11 +42,24 @@ from slipstream.rollout.builtin import BuiltinRollout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteLoss", "RLTrainer"]
+__all__ = ["Interrupted", "NonFiniteLoss", "RLTrainer"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """fit() stopped on Ctrl-C / SIGTERM after `step` steps. `saved`: the checkpoint written for the stop
+    (None: a second Ctrl-C stopped the run at once, nothing was written); `resume_point`: the newest
+    checkpoint on disk, where a rerun continues."""
+
+    def __init__(self, step: int, saved: Path | None, resume_point: Path | None) -> None:
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.saved, self.resume_point = step, saved, resume_point
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, overwrite: bool = False) -> None:
+        """Build a run, or resume the one in trainer.run_dir. `overwrite` first removes an earlier run's
+        output there. Raises ValueError when the run directory cannot be used and
+        `run_dir.RunComplete` when its run already reached trainer.total_steps (before building anything)."""
         self.cfg = cfg
         # torchrun's environment; the engine's process group is created when the engine is built
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,9 +70,7 @@ class RLTrainer:
             )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
-        self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
-        if self.rank == 0:
-            dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.run_dir = open_run_dir(cfg.trainer, overwrite=overwrite, rank=self.rank)
 
         self.tokenizer = setup.build_tokenizer(cfg)
         model, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))
@@ -110,26 +122,27 @@ class RLTrainer:
         self.step_num = 0
         self._saved_step: int | None = None
         latest = self._agreed_latest_checkpoint()
-        if latest is not None and not cfg.trainer.resume:
-            raise ValueError(
-                f"trainer.run_dir={cfg.trainer.run_dir!r} already holds checkpoints (newest {latest.name}) and "
-                "trainer.resume=false: pick a new trainer.run_dir, or set trainer.resume=true to continue that run"
-            )
         if latest is not None:
             self._restore(latest)
         self.stages.sync_weights(version=self.step_num)
-        self.logger = setup.build_metrics_logger(cfg, self.run_dir, self.step_num) if self.rank == 0 else MetricsLogger([])
+        if self.rank == 0:  # written once start-up is over: a run stopped before has left nothing behind
+            rewind_metrics(self.run_dir, self.step_num)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger([])
+        if self.rank == 0:
+            self.logger = setup.build_metrics_logger(cfg, self.run_dir, self.step_num)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:
         """Run until trainer.total_steps.
 
         Ctrl-C or SIGTERM asks for a stop: the current step finishes (so minibatch updates, the
-        data position and the sampler RNG stay consistent), a checkpoint is saved, and
-        KeyboardInterrupt is raised. A second Ctrl-C aborts at once without saving; the last
-        checkpoint on disk is then the resume point. Under torchrun the signal reaches the
-        launcher, which forwards it once and kills the ranks after its `--shutdown-timeout`
-        (30 s by default): give it the length of a step plus a save for the same guarantee.
+        data position and the sampler RNG stay consistent), a checkpoint is saved, and Interrupted
+        is raised with it. A second Ctrl-C stops at once (during the step or the save) and raises
+        Interrupted without one: a save is atomic, so the newest complete checkpoint on disk is the
+        resume point. Under torchrun the signal reaches the launcher, which forwards it once and
+        kills the ranks after its `--shutdown-timeout` (30 s by default): give it the length of a
+        step plus a save for the same guarantee.
         """
         stop_requested = False
 
@@ -138,8 +151,8 @@ class RLTrainer:
             if stop_requested:
                 raise KeyboardInterrupt
             stop_requested = True
-            log.warning("stop requested: finishing step %d, then saving (Ctrl-C again aborts without saving)",
-                        self.step_num + 1)
+            log.warning("stop requested: finishing step %d, then saving a checkpoint (Ctrl-C again stops at once, "
+                        "without one)", self.step_num + 1)  # fmt: skip
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -150,10 +163,11 @@ class RLTrainer:
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
                     self.save()
                     self._saved_step = self.step_num
+            if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
+                self.save()
+                self._saved_step = self.step_num
         except KeyboardInterrupt:
-            log.warning("aborted during step %d without saving; the last checkpoint is the resume point",
-                        self.step_num + 1)
-            raise
+            raise Interrupted(self.step_num, saved=None, resume_point=self.checkpoints.latest()) from None
         except NonFiniteLoss:
             log.error("stopping: non-finite loss or gradient at step %d; the optimizer step was skipped. "
                       "Lower actor.lr or check the rewards; a rerun resumes from the last checkpoint "
@@ -164,10 +178,9 @@ class RLTrainer:
                 signal.signal(sig, handler)
             self.logger.close()
             self.rewards.close()
-        if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
-            self.save()
         if self._any_rank(stop_requested):
-            raise KeyboardInterrupt
+            latest = self.checkpoints.latest()
+            raise Interrupted(self.step_num, saved=latest, resume_point=latest)
         if self.cfg.trainer.export_hf:
             # every rank iterates (the fsdp engine gathers each tensor); rank 0 keeps them, on the CPU
             weights = {}
@@ -231,7 +244,7 @@ class RLTrainer:
         self.prompts.load_state_dict(state["data"])
         self.rollout.load_state_dict(state["rollout"])
         self.loop.load_state_dict(state.get("loop", {}))
-        self.step_num = int(state["step"])
+        self.step_num = self._saved_step = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
 
 

@@ -146,12 +146,6 @@ def build_loss_fn(cfg: Config) -> SpecLoss:
     )  # fmt: skip
 
 
-def prepare_run_dir(path: str) -> Path:
-    run_dir = Path(path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 WANDB_ID_FILE = "wandb_run_id"
 """In the run directory: the W&B run id, so that a resumed run continues the same W&B run."""
 

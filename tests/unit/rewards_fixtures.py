@@ -48,3 +48,10 @@ def always_hanging_reward(completion: str, answer: str | None, prompt: str) -> f
     time.sleep(60)
     return 0.0
 
+
+def slow_exact_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """The exact-match reward, 40 ms a call: steps long enough to interrupt in the middle."""
+    from slipstream.rewards.functions import exact_reward
+
+    time.sleep(0.04)
+    return exact_reward(completion, answer, prompt)
