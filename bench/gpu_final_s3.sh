@@ -13,7 +13,7 @@ timeout ${MATRIX_S:-290} python -m slipstream.cli bench matrix ${MATRIX_SPEC:-be
     | grep -E "^cell|  -> "
 stamp demo megatron
 timeout 70 python -m slipstream.cli train recipes/demo.yaml actor.backend=megatron trainer.device=cuda \
-    trainer.run_dir=$RES/demo-megatron trainer.tensorboard=false trainer.log_every=50 2>&1 | quiet | tail -3
+    trainer.run_dir=$RES/demo-megatron logging.tensorboard=false logging.log_every=50 2>&1 | quiet | tail -3
 cp $RES/demo-megatron/metrics.jsonl $RES/demo_megatron_metrics.jsonl; rm -rf $RES/demo-megatron
 stamp rl-step matrix
 timeout $(( $(left) < 100 ? $(left) : 100 )) python -m slipstream.cli bench matrix bench/matrix_rl_step_gpu.yaml \

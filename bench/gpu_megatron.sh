@@ -24,7 +24,7 @@ done
 # (c) the GRPO demo (200 steps) on CUDA with each backend
 for backend in fsdp megatron; do
     timeout 150 python -m slipstream.cli train recipes/demo.yaml actor.backend=$backend trainer.device=cuda \
-        trainer.run_dir="$RES/demo-$backend" trainer.tensorboard=false trainer.log_every=50 2>&1 | quiet | tail -5
+        trainer.run_dir="$RES/demo-$backend" logging.tensorboard=false logging.log_every=50 2>&1 | quiet | tail -5
     rm -rf "$RES/demo-$backend/checkpoints" "$RES/demo-$backend/hf"
 done
 

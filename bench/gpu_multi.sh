@@ -36,5 +36,5 @@ for r in rows:
 PY
 stamp "slipstream train, demo recipe, fsdp over $N GPUs"
 timeout $(left 2) torchrun --standalone --nproc-per-node $N -m slipstream.cli train recipes/demo.yaml actor.backend=fsdp \
-    trainer.device=cuda trainer.run_dir=$RES/demo trainer.tensorboard=false 2>&1 | quiet | tail -4
+    trainer.device=cuda trainer.run_dir=$RES/demo logging.tensorboard=false 2>&1 | quiet | tail -4
 stamp done

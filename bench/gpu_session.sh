@@ -11,7 +11,7 @@ python -c "import torch, transformers, triton; print('torch', torch.__version__,
 git rev-parse HEAD 2>/dev/null | tee -a $RES/gpu.txt
 timeout 150 python -m pytest -q --timeout 100 -p no:cacheprovider tests/gpu 2>&1 | tail -25 | tee $RES/gpu_tests.txt
 timeout 90 python -m slipstream.cli train recipes/demo.yaml trainer.device=cuda trainer.run_dir=$RES/demo-gpu \
-    trainer.tensorboard=false trainer.log_every=50 2>&1 | tail -8 | tee $RES/demo_gpu.txt
+    logging.tensorboard=false logging.log_every=50 2>&1 | tail -8 | tee $RES/demo_gpu.txt
 OUT=$RES/suite python bench/train_step_suite.py --budget-s $BUDGET ${ONLY:+--only $ONLY} 2>&1 | tail -40
 cp $RES/demo-gpu/metrics.jsonl $RES/demo_gpu_metrics.jsonl 2>/dev/null
 rm -rf $RES/demo-gpu/checkpoints $RES/demo-gpu/hf

@@ -4,59 +4,119 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 
 def _train(args: argparse.Namespace) -> int:
-    from slipstream.config import load_config
+    from slipstream.config.loader import RecipeError, load_config
 
-    recipe, overrides = None, list(args.overrides)
-    if args.recipe is not None:
-        if "=" in args.recipe:  # `slipstream train actor.lr=1e-6` with no recipe
-            overrides.insert(0, args.recipe)
-        else:
-            recipe = args.recipe
+    if args.recipe is None or "=" in args.recipe:  # the defaults alone train nothing useful
+        print(args.usage + _recipe_list(), file=sys.stderr, end="")
+        return 2
     try:
-        cfg = load_config(recipe, overrides)
+        cfg = load_config(args.recipe, args.overrides)
+    except RecipeError as err:  # already "file:line:col: problem"
+        print(err, file=sys.stderr)
+        return 2
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    from slipstream.controller.grpo import build_trainer
-    from slipstream.report import write_report
+    try:  # start-up: imports (torch), model load, reward workers, resume
+        from slipstream.controller.grpo import Interrupted, build_trainer
+        from slipstream.controller.run_dir import RunComplete
+        from slipstream.report import write_report
+        from slipstream.rewards.runner import RewardError
 
-    try:
-        trainer = build_trainer(cfg)
-    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, ...
+        trainer = build_trainer(cfg, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        print("interrupted during start-up: no step was run, nothing was saved", file=sys.stderr)
+        return 130
+    except RunComplete as done:
+        print(done)
+        return 0
+    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, run_dir in use, ...
         print(f"config error: {err}", file=sys.stderr)
         return 2
     try:
         trainer.fit()
-    except KeyboardInterrupt:
-        print(f"interrupted; checkpoint saved under {trainer.run_dir / 'checkpoints'} (run again to resume)")
+    except Interrupted as stop:
+        print(_stopped(stop), file=sys.stderr)
         return 130
+    except RewardError as err:  # reward.on_error=raise, or every reward function disabled
+        print(f"stopped: {err}", file=sys.stderr)
+        return 1
     if trainer.rank == 0:  # under torchrun the other ranks only train
         path = write_report(trainer.run_dir)
         print(f"run finished: {trainer.run_dir} (report: {path})")
     return 0
 
 
+def _stopped(stop) -> str:
+    """What an interrupted run left behind, in one line."""
+    if stop.saved is not None:
+        return (f"interrupted: checkpoint {stop.saved.name} saved after step {stop.step} in {stop.saved.parent}; "
+                "run the same command again to resume")  # fmt: skip
+    if stop.resume_point is not None:
+        where = f"a rerun resumes from {stop.resume_point.name} in {stop.resume_point.parent}"
+    else:
+        where = "there is no checkpoint: a rerun starts over (with --overwrite)"
+    return f"interrupted again: stopped at once during step {stop.step + 1}, no checkpoint was written; {where}"
+
+
 def _report(args: argparse.Namespace) -> int:
     from slipstream.report import write_report
 
-    path = write_report(args.run_dir)
+    try:
+        path = write_report(args.run_dir)
+    except ValueError as err:  # no such run directory, no metrics.jsonl, a malformed line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
+
+
+def _recipe_list() -> str:
+    """The recipes/*.yaml of the working directory and of the source checkout, each with its first comment line."""
+    found: dict[Path, str] = {}
+    for directory in (Path("recipes"), Path(__file__).resolve().parents[1] / "recipes"):
+        for path in sorted(directory.glob("*.yaml")):
+            shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
+            comments = (line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+            first = next(comments, "")
+            found.setdefault(path.resolve(), (shown, first))
+    if not found:
+        return "a recipe is needed and none was found in recipes/ (fields: docs/config.md)\n"
+    width = max(len(shown) for shown, _ in found.values())
+    lines = [f"  {shown:<{width}}  {first}".rstrip() for shown, first in found.values()]
+    return "a recipe is needed; these are at hand:\n" + "\n".join(lines) + "\n"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("slipstream")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="RL post-training for LLMs, measured honestly.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"slipstream {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run GRPO / PPO from a recipe plus key=value overrides")
-    train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/); omit to use the defaults")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 rollout.group_size=8")
-    train.set_defaults(func=_train)
+    train.add_argument("recipe", nargs="?", metavar="RECIPE",
+                       help="YAML recipe (see recipes/); without one, the list of recipes")  # fmt: skip
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dotted overrides, e.g. actor.lr=1e-6 rollout.group_size=8")  # fmt: skip
+    train.add_argument("--overwrite", action="store_true",
+                       help="start over in a trainer.run_dir that holds an earlier run (its checkpoints, metrics, logs "
+                       "and export are deleted first)")  # fmt: skip
+    train.set_defaults(func=_train, usage=train.format_usage())
 
     report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
     report.add_argument("run_dir")
@@ -69,13 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a nargs="*" positional at the first option: overrides after --overwrite land here
+    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # any command; train says more about what it left behind
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -148,8 +148,10 @@ def write_report(run_dir: str | Path, k: int = 10, smooth: int = 10) -> Path:
     """Draw run_dir/report.png from run_dir/metrics.jsonl, print a text summary, return the path."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     if not metrics_path.is_file():
-        raise ValueError(f"no metrics.jsonl in {run_dir}")
+        raise ValueError(f"{run_dir} has no metrics.jsonl: not the run_dir of a slipstream run (trainer.run_dir)")
     records = read_metrics(metrics_path)
 
     # A bare Figure (no pyplot) renders through Agg without touching the global backend.

@@ -22,6 +22,10 @@ from slipstream.batching.records import LossNorm, PackedBatch
 # exp() of a log-ratio beyond +-20 (a factor of ~5e8) only happens for broken tokens; clamping
 # keeps it finite in fp32 instead of producing inf * 0 = NaN in the loss.
 _LOG_RATIO_CLAMP = 20.0
+# Bound of one token's k3 value (verl's low_var_kl clamp). exp() of the log-ratio clamp still
+# allows e^20 - 21 = 4.85e8 for a token the reference finds far likelier than the policy; with
+# the value clamped, one such token adds at most 10 to the KL term, as the others do.
+K3_BOUND = 10.0
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AggFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossNorm], torch.Tensor]
@@ -129,10 +133,15 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 @register(KL_ESTIMATORS, "k3")
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 = ref/pi - log(ref/pi) - 1: unbiased, low variance, always >= 0 (GRPO's choice)."""
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, bound: float | None = K3_BOUND) -> torch.Tensor:
+    """k3 = ref/pi - log(ref/pi) - 1: unbiased, low variance, always >= 0 (GRPO's choice).
+
+    The value is clamped to [-bound, bound] (None: not clamped); clamp() passes no gradient to a
+    token beyond the bound, so such a token stops pulling on the policy instead of dominating it.
+    """
     log_ratio = (ref_logprobs - logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    kl = torch.exp(log_ratio) - log_ratio - 1.0
+    return kl if bound is None else kl.clamp(-bound, bound)
 
 
 def get_kl_fn(name: str) -> KLFn:
@@ -140,14 +149,20 @@ def get_kl_fn(name: str) -> KLFn:
     return lookup(KL_ESTIMATORS, "KL estimator", name)
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate (T,); gradient flows through `logprobs`, not the reference."""
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", k3_bound: float | None = K3_BOUND
+) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate (T,); gradient flows through `logprobs`, not the reference.
+
+    `k3_bound` clamps the k3 value (see `kl_k3`); k1 and k2 take no bound.
+    """
     if ref_logprobs.shape != logprobs.shape:
         raise ValueError(
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
         )
     fn = get_kl_fn(estimator)
-    return fn(_fp32_or_wider(logprobs), _fp32_or_wider(ref_logprobs).detach())
+    options = {"bound": k3_bound} if estimator == "k3" else {}
+    return fn(_fp32_or_wider(logprobs), _fp32_or_wider(ref_logprobs).detach(), **options)
 
 
 def entropy_bonus(entropy: torch.Tensor, coef: float) -> torch.Tensor:
@@ -232,6 +247,8 @@ class LossSpec:
     """Weight of the per-token KL(pi || ref) penalty in the loss; 0 disables it."""
     kl_estimator: str = "k3"
     """KL estimator: "k1", "k2" or "k3"."""
+    kl_clamp: float | None = K3_BOUND
+    """k3 only: each token's KL value is clamped to [-kl_clamp, kl_clamp] (zero gradient beyond); None: no clamp."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (loss term -coef * entropy); 0 disables it."""
     agg_mode: str = "token-mean"
@@ -245,6 +262,8 @@ class LossSpec:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.behav_is_cap is not None and self.behav_is_cap <= 0:
             raise ValueError(f"behav_is_cap must be > 0 (or None), got {self.behav_is_cap}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"kl_clamp must be > 0 (or None), got {self.kl_clamp}")
         get_kl_fn(self.kl_estimator)
         lookup(AGG_MODES, "aggregation mode", self.agg_mode)
 
@@ -301,7 +320,7 @@ def policy_loss(
     total = pg
     metrics: dict[str, torch.Tensor] = {}
     if batch.ref_logprobs is not None:
-        kl = kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_estimator)
+        kl = kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_estimator, k3_bound=cfg.kl_clamp)
         if cfg.kl_coef != 0:
             total = total + cfg.kl_coef * kl
         metrics["actor/kl"] = token_mean(kl.detach())

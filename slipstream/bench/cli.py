@@ -51,8 +51,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--master-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameters, gradients and AdamW state: float32 (16 B/param) or bfloat16 (8 B/param, "
                    "stochastic rounding); see actor.master_dtype")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (default 5)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats after the warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs before the timed repeats (compile, allocator and autotuning warm-up; default 1)")  # fmt: skip
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     p.add_argument("--peak-flops", type=float, default=None, help="override the dense bf16 peak FLOP/s for MFU")
     p.add_argument("--naive", action="store_true", help="also run the naive HF baseline on the same workload")

@@ -50,7 +50,7 @@ CORE_METRICS = (
 )  # fmt: skip
 """The DESIGN.md metric set (plus perf/max_memory_allocated_gb/<phase> on CUDA); MFU needs a known peak."""
 CONTROLLED_KEYS = (
-    "trainer.run_dir", "trainer.export_hf", "trainer.tensorboard", "trainer.resume", "trainer.total_steps",
+    "trainer.run_dir", "trainer.export_hf", "logging.tensorboard", "trainer.resume", "trainer.total_steps",
     "actor.backend",
 )  # fmt: skip
 """Config keys the bench sets itself for every cell; the spec's overrides may not touch them."""
@@ -171,7 +171,7 @@ def _rl_step_section(raw, settings: CellSettings) -> RLStepSettings:
 def cell_config(rl: RLStepSettings, settings: CellSettings, backend: str, run_dir: str | Path) -> Config:
     """The Config of one cell: recipe <- spec overrides <- what the bench controls (backend, run_dir, ...)."""
     forced = [
-        f"trainer.run_dir={run_dir}", "trainer.export_hf=false", "trainer.tensorboard=false",
+        f"trainer.run_dir={run_dir}", "trainer.export_hf=false", "logging.tensorboard=false",
         "trainer.resume=false", f"trainer.total_steps={rl.steps}", f"actor.backend={backend}",
     ]  # fmt: skip
     if settings.device is not None:

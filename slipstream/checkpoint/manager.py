@@ -2,7 +2,10 @@
 
 A checkpoint directory `step_000012/` holds the engine's own files (model, optimizer, scheduler)
 plus `trainer.pt` with the step, the data position and every RNG state, so `resume`
-continues exactly where the run stopped. A crash mid-save leaves only a `.tmp` directory,
+continues exactly where the run stopped. `trainer.pt` holds only tensors and plain Python
+values and is read with `torch.load(weights_only=True)`: a file that would run code when
+unpickled is refused. (The fsdp backend's DCP directory is another matter: torch reads its
+`.metadata` with plain pickle, see docs/architecture.md.) A crash mid-save leaves only a `.tmp` directory,
 which the next save of that step removes; `latest()` never returns a partial checkpoint.
 
 Several processes (a data-parallel run) save together: rank 0 makes and later renames the
@@ -13,6 +16,7 @@ barriers in between.
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
@@ -26,7 +30,13 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every global RNG state as tensors and plain Python values (what `weights_only=True` reads back)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),  # (version, tuple of 625 ints, gauss_next): plain values already
+        "numpy": (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached_gaussian)),
+        "torch": torch.get_rng_state(),  # a uint8 tensor, as the CUDA states below
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -34,10 +44,18 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]  # keys: a list, or an array in older checkpoints
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled numpy array needs: building an array from its bytes runs no other code. Older
+    checkpoints held the numpy RNG keys as an array; these let them load under weights_only=True."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 class CheckpointManager:
@@ -101,7 +119,18 @@ class CheckpointManager:
         path = Path(directory) / trainer_file(rank)
         if not path.exists():
             raise ValueError(f"{directory} has no {path.name}: it was saved by fewer processes than this run has")
-        state = torch.load(path, weights_only=False)
+        try:
+            # weights_only: tensors and plain data only; a pickled object that would run code is refused
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the callable it refused
+            what = f"it would call {named.group(1)}" if named else str(err).strip().splitlines()[0]
+            raise ValueError(
+                f"{path} is refused: it holds Python objects that loading would have to run as code ({what}); "
+                "slipstream checkpoints hold only tensors and plain data. Resume only from checkpoints you trust, "
+                "or start a new trainer.run_dir"
+            ) from None
         set_rng_state(state["rng"])
         return state
 

@@ -43,16 +43,23 @@ def render_reference() -> str:
     root = schema.Config()
     for section in dataclasses.fields(schema.Config):
         cls = get_type_hints(schema.Config)[section.name]
-        docs = field_docs(cls)
         lines += [f"## `{section.name}` — {inspect.getdoc(cls)}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        defaults = getattr(root, section.name)
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
-            typ = _type_name(hints[f.name]).replace("|", "\\|")
-            lines.append(f"| `{section.name}.{f.name}` | `{typ}` | `{default!r}` | {docs.get(f.name, '')} |")
+        lines += _rows(cls, getattr(root, section.name), section.name)
         lines.append("")
     return "\n".join(lines)
+
+
+def _rows(cls: type, defaults, prefix: str) -> list[str]:
+    """One table row per field; a nested section (logging.wandb) lists its own fields under its prefix."""
+    docs, hints, rows = field_docs(cls), get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(hints[f.name], default, f"{prefix}.{f.name}")
+            continue
+        typ = _type_name(hints[f.name]).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{f.name}` | `{typ}` | `{default!r}` | {docs.get(f.name, '')} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -18,21 +19,84 @@ import yaml
 from slipstream.config.schema import Config
 
 
+MOVED_KEYS = {"trainer.tensorboard": "logging.tensorboard", "trainer.log_every": "logging.log_every"}
+"""Keys that moved to another section: an old recipe gets the new name, not a guess."""
+
+
+class RecipeError(ValueError):
+    """An error located in a recipe file: the message starts with `file:line:column:`."""
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML recipe <- command-line overrides, validated into a `Config`."""
+    """Defaults <- YAML recipe <- command-line overrides, validated into a `Config`.
+
+    A YAML syntax error, and a bad key or value that comes from the recipe (not from an
+    override), raise RecipeError naming the file, line and column.
+    """
     tree: dict = {}
+    marks: dict[str, str] = {}
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
             raise ValueError(f"recipe {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as err:
+            raise RecipeError(_yaml_error(path, err)) from None
+        except yaml.YAMLError as err:  # unmarked (e.g. a bad encoding): no position to give
+            raise RecipeError(f"{path}: {' '.join(str(err).split())}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"recipe {path} must be a mapping of sections, got {type(loaded).__name__}")
+            raise RecipeError(f"{path}:1:1: a recipe is a mapping of sections, got a {type(loaded).__name__}")
         tree = loaded or {}
+        marks = _key_positions(path, text)
+    overridden = set()
     for item in overrides or []:
         key, value = parse_override(item)
         set_dotted(tree, key, value)
-    return build(Config, tree, prefix="")
+        overridden.add(key)
+    try:
+        return build(Config, tree, prefix="")
+    except ValueError as err:
+        where = _first_key_in(str(err), {k: v for k, v in marks.items() if k not in overridden})
+        if where is None:
+            raise
+        raise RecipeError(f"{where}: {err}") from None
+
+
+def _yaml_error(path: Path, err: yaml.MarkedYAMLError) -> str:
+    """`file:line:col: problem`, plus a second line for where the enclosing construct started."""
+    mark = err.problem_mark or err.context_mark
+    lines = [f"{path}:{mark.line + 1}:{mark.column + 1}: {err.problem or err.context}"]
+    if err.context and err.problem and err.context_mark is not None:
+        lines.append(f"{path}:{err.context_mark.line + 1}:{err.context_mark.column + 1}: ({err.context})")
+    return "\n".join(lines)
+
+
+def _key_positions(path: Path, text: str) -> dict[str, str]:
+    """Dotted key -> "file:line:col" of every key in the recipe (from YAML nodes, no objects built)."""
+    positions: dict[str, str] = {}
+
+    def walk(node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            positions[key] = f"{path}:{key_node.start_mark.line + 1}:{key_node.start_mark.column + 1}"
+            walk(value_node, f"{key}.")
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+    return positions
+
+
+def _first_key_in(message: str, positions: dict[str, str]) -> str | None:
+    """Position of the recipe key that `message` names (quoted, or dotted as in "rollout.group_size=1")."""
+    for key in sorted(positions, key=len, reverse=True):  # "actor.lrr" before "actor.lr"
+        quoted = rf"'{re.escape(key)}'"
+        dotted = rf"(?<![\w.]){re.escape(key)}(?![\w.])"  # a bare word like "model" is too common to match
+        if re.search(f"{quoted}|{dotted}" if "." in key else quoted, message):
+            return positions[key]
+    return None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -69,6 +133,8 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
+        if f"{prefix}{key}" in MOVED_KEYS:
+            raise ValueError(f"config key '{prefix}{key}' moved to '{MOVED_KEYS[f'{prefix}{key}']}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"

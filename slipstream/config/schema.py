@@ -107,11 +107,17 @@ class RewardSection:
     num_workers: int = 1
     """Worker processes that run reward functions (0 runs them inline, without a timeout)."""
     timeout_s: float = 10.0
-    """Per-call limit; a reward that takes longer is scored `error_score`."""
+    """Per-call limit; a call that takes longer is stopped and scored `error_score`, and that function's other calls of the step are not run (a hanging function costs one timeout per step)."""
     on_error: Literal["zero", "raise"] = "zero"
-    """A reward that raises or hangs: log it and score `error_score` ("zero"), or stop the run ("raise")."""
+    """A reward that raises or hangs: score `error_score` and log one line per step ("zero"), or stop the run ("raise")."""
     error_score: float = 0.0
     """Score given to a completion whose reward raised or timed out."""
+    disable_after: int = 3
+    """Disable a function that timed out on every call for this many steps in a row (it drops out of the sum, with a message; 0: never)."""
+
+
+GROUP_ADVANTAGES = ("grpo", "rloo")
+"""Estimators that compare the completions of one prompt: a group of one always gets advantage 0."""
 
 
 @dataclass
@@ -132,6 +138,8 @@ class AlgoSection:
     """Weight of the KL penalty to the reference model; 0 builds no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator."""
+    kl_clamp: float | None = 10.0
+    """k3 only: clamp each token's KL value to [-kl_clamp, kl_clamp], zero gradient beyond (as verl does); without it a token with ref - logp = 23.5 adds e^20 - 21 = 4.85e8 and dominates the loss. None: no clamp."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (entropy is computed only when this is > 0 or it is logged)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -211,7 +219,7 @@ class ActorSection:
     """The policy update: backend, optimizer, micro-batching."""
 
     backend: str = "local"
-    """Training backend: "local" (one process, CPU or one GPU), "fsdp" (FSDP2; N GPUs with torchrun) or "megatron[:d<D>t<T>p<P>c<C>]" (megatron-core; sizes default to 1, D = world / (T*P*C))."""
+    """Training backend: "local" (one process, CPU or one GPU), "fsdp" (FSDP2; N GPUs with torchrun) or "megatron[:d<D>t<T>]" (megatron-core; D data- and T tensor-parallel ranks, T defaults to 1, D to world / T; `slipstream train` runs D only, T runs under `slipstream bench train-step`). Pipeline / context sizes (p, c) are not wired yet and are rejected."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (attention / MLP inner ops) or full (every block)."""
     compile: bool = False
@@ -244,7 +252,7 @@ class ActorSection:
 
 @dataclass
 class TrainerSection:
-    """The run: length, seeds, device, checkpoints, logging."""
+    """The run: length, seeds, device, checkpoints."""
 
     total_steps: int = 20
     """RL steps to run."""
@@ -262,10 +270,6 @@ class TrainerSection:
     """Continue from the newest checkpoint in run_dir when one exists (false refuses a run_dir that has checkpoints)."""
     export_hf: bool = True
     """Write the final policy as an HF checkpoint to run_dir/hf."""
-    tensorboard: bool = True
-    """Also log to TensorBoard when it is installed."""
-    log_every: int = 1
-    """Print a console line every N steps."""
     peak_flops: float | None = None
     """Override the device's dense bf16 peak FLOP/s used for MFU."""
     mode: Literal["sync", "async"] = "sync"
@@ -282,6 +286,34 @@ class PlacementSection:
 
     rollout_ranks: int = 0
     """0: every rank generates its share and trains (colocated); R > 0: the last R ranks only generate and the others only train (disaggregated), weights broadcast after each step."""
+
+
+@dataclass
+class WandbSection:
+    """Weights & Biases (`pip install wandb`); off unless enabled."""
+
+    enabled: bool = False
+    """Log every step's metrics to a W&B run (a resumed run continues the same W&B run)."""
+    project: str = "slipstream"
+    """W&B project."""
+    name: str | None = None
+    """W&B run name; None: the name of trainer.run_dir."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online (sync as the run goes), offline (files under run_dir/wandb, `wandb sync` later) or disabled."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go: run_dir/metrics.jsonl always, plus the console, TensorBoard and W&B."""
+
+    log_every: int = 1
+    """Print a console line every N steps."""
+    tensorboard: bool = True
+    """Also log to TensorBoard (run_dir/tb) when it is installed."""
+    wandb: WandbSection = field(default_factory=WandbSection)
+    """Weights & Biases."""
 
 
 @dataclass
@@ -304,6 +336,8 @@ class Config:
     """The run."""
     placement: PlacementSection = field(default_factory=PlacementSection)
     """Rollout / trainer placement over processes."""
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    """Metric sinks."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -327,11 +361,12 @@ def check_config(cfg: Config) -> None:
             "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
             "trainer.total_steps": cfg.trainer.total_steps,
             "trainer.keep_last": cfg.trainer.keep_last,
-            "trainer.log_every": cfg.trainer.log_every,
+            "logging.log_every": cfg.logging.log_every,
             "data.num_task_prompts": cfg.data.num_task_prompts,
         }),
         ">= 0": (lambda v: v >= 0, {
             "reward.num_workers": rw.num_workers,
+            "reward.disable_after": rw.disable_after,
             "rollout.top_k": r.top_k,
             "algo.kl_coef": a.kl_coef,
             "algo.entropy_coef": a.entropy_coef,
@@ -347,6 +382,7 @@ def check_config(cfg: Config) -> None:
             "actor.lr": cfg.actor.lr,
             "actor.eps": cfg.actor.eps,
             "algo.behav_is_cap": a.behav_is_cap,
+            "algo.kl_clamp": a.kl_clamp,
             "trainer.peak_flops": cfg.trainer.peak_flops,
         }),
     }  # fmt: skip
@@ -360,6 +396,12 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"rollout.gpu_memory_fraction must be in (0, 1), got {r.gpu_memory_fraction}")
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.group_size < 2 and a.advantage in GROUP_ADVANTAGES:
+        raise ValueError(
+            f"rollout.group_size={r.group_size} with algo.advantage={a.advantage}: its advantages compare the "
+            "completions of one prompt, so a group of one always gets 0 and nothing is learned; set "
+            "rollout.group_size >= 2, or algo.advantage=reinforce (a batch-mean baseline, no groups needed)"
+        )
     if r.prompts_per_step % a.ppo_n_minibatches:
         raise ValueError(
             f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
@@ -375,7 +417,12 @@ def check_config(cfg: Config) -> None:
         )
     if rw.timeout_s <= 0:
         raise ValueError(f"reward.timeout_s must be > 0, got {rw.timeout_s}")
-    parse_backend(cfg.actor.backend)
+    layout = parse_backend(cfg.actor.backend)[1]
+    if layout is not None and (layout.pp > 1 or layout.cp > 1):
+        raise ValueError(
+            f"actor.backend={cfg.actor.backend!r}: pipeline (p) and context (c) parallelism are not wired into the "
+            "megatron engine yet; use megatron:d<D>t<T>"
+        )
     if cfg.actor.master_dtype == "bfloat16":
         if cfg.model.dtype != "bfloat16":
             raise ValueError("actor.master_dtype=bfloat16 needs model.dtype=bfloat16 (bf16 weights cannot compute in float32)")

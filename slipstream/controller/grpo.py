@@ -32,33 +32,48 @@ from slipstream.controller import setup
 from slipstream.controller.loops import AsyncLoop, DisaggregatedLoop, SyncLoop
 from slipstream.controller.placement import Placement, RemoteRollout, RolloutWorker, make_placement, staleness_bound
 from slipstream.controller.prompts import PromptSource
+from slipstream.controller.run_dir import open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.engine.distributed import all_reduce_
 from slipstream.engine.distributed import rank as dp_rank
 from slipstream.engine.distributed import world_size as dp_world_size
 from slipstream.engine.factory import build_engine
-from slipstream.logging import MetricsLogger, build_sinks
+from slipstream.logging import MetricsLogger
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteLoss", "RLTrainer"]
+__all__ = ["Interrupted", "NonFiniteLoss", "RLTrainer"]
 
 
-def build_trainer(cfg: Config) -> "RLTrainer | RolloutWorker":
+class Interrupted(KeyboardInterrupt):
+    """fit() stopped on Ctrl-C / SIGTERM after `step` steps. `saved`: the checkpoint written for the stop
+    (None: a second Ctrl-C stopped the run at once, nothing was written); `resume_point`: the newest
+    checkpoint on disk, where a rerun continues."""
+
+    def __init__(self, step: int, saved: Path | None, resume_point: Path | None) -> None:
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.saved, self.resume_point = step, saved, resume_point
+
+
+def build_trainer(cfg: Config, *, overwrite: bool = False) -> "RLTrainer | RolloutWorker":
     """What this process runs: the trainer, or, on the rollout ranks of a disaggregated placement, a
     rollout worker (both have fit(), rank and run_dir)."""
     if cfg.placement.rollout_ranks > 0:
         placement = make_placement(cfg, setup.pick_device(cfg.trainer.device).type)
         if placement.role == "rollout":
             return RolloutWorker(cfg, placement)
-        return RLTrainer(cfg, placement)
-    return RLTrainer(cfg)
+        return RLTrainer(cfg, placement, overwrite=overwrite)
+    return RLTrainer(cfg, overwrite=overwrite)
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config, placement: Placement | None = None) -> None:
+    def __init__(self, cfg: Config, placement: Placement | None = None, *, overwrite: bool = False) -> None:
+        """Build a run, or resume the one in trainer.run_dir. `overwrite` first removes an earlier run's
+        output there; `placement` makes this process a trainer rank of a disaggregated run. Raises
+        ValueError when the run directory cannot be used and `run_dir.RunComplete` when its run already
+        reached trainer.total_steps (before building anything)."""
         self.cfg = cfg
         self.placement = placement
         # torchrun's environment; the engine's process group is created when the engine is built. With a
@@ -78,9 +93,7 @@ class RLTrainer:
             )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
-        self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
-        if self.rank == 0:
-            dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.run_dir = open_run_dir(cfg.trainer, overwrite=overwrite, rank=self.rank)
 
         self.tokenizer = setup.build_tokenizer(cfg)
         model, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))
@@ -138,11 +151,6 @@ class RLTrainer:
         self.step_num = 0
         self._saved_step: int | None = None
         latest = self._agreed_latest_checkpoint()
-        if latest is not None and not cfg.trainer.resume:
-            raise ValueError(
-                f"trainer.run_dir={cfg.trainer.run_dir!r} already holds checkpoints (newest {latest.name}) and "
-                "trainer.resume=false: pick a new trainer.run_dir, or set trainer.resume=true to continue that run"
-            )
         if latest is not None and placement is not None:
             raise ValueError(
                 f"{latest} exists: resuming a run with placement.rollout_ranks is not supported yet; start a new "
@@ -151,22 +159,24 @@ class RLTrainer:
         if latest is not None:
             self._restore(latest)
         self.stages.sync_weights(version=self.step_num)
-        self.logger = MetricsLogger(
-            build_sinks(self.run_dir, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                        log_every=cfg.trainer.log_every, start_step=self.step_num)
-            if self.rank == 0 else []
-        )  # fmt: skip
+        if self.rank == 0:  # written once start-up is over: a run stopped before has left nothing behind
+            rewind_metrics(self.run_dir, self.step_num)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger([])
+        if self.rank == 0:
+            self.logger = setup.build_metrics_logger(cfg, self.run_dir, self.step_num)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> None:
         """Run until trainer.total_steps.
 
         Ctrl-C or SIGTERM asks for a stop: the current step finishes (so minibatch updates, the
-        data position and the sampler RNG stay consistent), a checkpoint is saved, and
-        KeyboardInterrupt is raised. A second Ctrl-C aborts at once without saving; the last
-        checkpoint on disk is then the resume point. Under torchrun the signal reaches the
-        launcher, which forwards it once and kills the ranks after its `--shutdown-timeout`
-        (30 s by default): give it the length of a step plus a save for the same guarantee.
+        data position and the sampler RNG stay consistent), a checkpoint is saved, and Interrupted
+        is raised with it. A second Ctrl-C stops at once (during the step or the save) and raises
+        Interrupted without one: a save is atomic, so the newest complete checkpoint on disk is the
+        resume point. Under torchrun the signal reaches the launcher, which forwards it once and
+        kills the ranks after its `--shutdown-timeout` (30 s by default): give it the length of a
+        step plus a save for the same guarantee.
         """
         stop_requested = False
 
@@ -175,8 +185,8 @@ class RLTrainer:
             if stop_requested:
                 raise KeyboardInterrupt
             stop_requested = True
-            log.warning("stop requested: finishing step %d, then saving (Ctrl-C again aborts without saving)",
-                        self.step_num + 1)
+            log.warning("stop requested: finishing step %d, then saving a checkpoint (Ctrl-C again stops at once, "
+                        "without one)", self.step_num + 1)  # fmt: skip
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -187,10 +197,11 @@ class RLTrainer:
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
                     self.save()
                     self._saved_step = self.step_num
+            if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
+                self.save()
+                self._saved_step = self.step_num
         except KeyboardInterrupt:
-            log.warning("aborted during step %d without saving; the last checkpoint is the resume point",
-                        self.step_num + 1)
-            raise
+            raise Interrupted(self.step_num, saved=None, resume_point=self.checkpoints.latest()) from None
         except NonFiniteLoss:
             log.error("stopping: non-finite loss or gradient at step %d; the optimizer step was skipped. "
                       "Lower actor.lr or check the rewards; a rerun resumes from the last checkpoint "
@@ -202,10 +213,9 @@ class RLTrainer:
             self.loop.close()
             self.logger.close()
             self.rewards.close()
-        if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
-            self.save()
         if self._any_rank(stop_requested):
-            raise KeyboardInterrupt
+            latest = self.checkpoints.latest()
+            raise Interrupted(self.step_num, saved=latest, resume_point=latest)
         if self.cfg.trainer.export_hf:
             # every rank iterates (the fsdp engine gathers each tensor); rank 0 keeps them, on the CPU
             weights = {}
@@ -263,7 +273,7 @@ class RLTrainer:
         self.prompts.load_state_dict(state["data"])
         self.rollout.load_state_dict(state["rollout"])
         self.loop.load_state_dict(state.get("loop", {}))
-        self.step_num = int(state["step"])
+        self.step_num = self._saved_step = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
 
 

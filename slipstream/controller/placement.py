@@ -23,6 +23,7 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -195,7 +196,7 @@ class RolloutWorker:
 
         self.cfg, self.placement = cfg, placement
         self.rank = placement.rank
-        self.run_dir = setup.prepare_run_dir(cfg.trainer.run_dir)
+        self.run_dir = Path(cfg.trainer.run_dir)  # rank 0 (a trainer) owns and checks it
         device = setup.pick_device(cfg.trainer.device)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())

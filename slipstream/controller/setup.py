@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import logging
 import random
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from slipstream.algo.advantages import get_advantage_fn
 from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.config.schema import Config
+from slipstream.logging import MetricsLogger, build_sinks
 from slipstream.models import hf
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
@@ -134,6 +137,7 @@ def build_rewards(cfg: Config, functions: list[str]) -> RewardRunner:
         timeout_s=cfg.reward.timeout_s,
         on_error=cfg.reward.on_error,
         error_score=cfg.reward.error_score,
+        disable_after=cfg.reward.disable_after,
     )
 
 
@@ -167,12 +171,30 @@ def build_loss_fn(cfg: Config) -> SpecLoss:
     return SpecLoss(
         LossSpec(
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip_c, kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg, behav_is_cap=cap,
+            kl_estimator=a.kl_estimator, kl_clamp=a.kl_clamp, entropy_coef=a.entropy_coef, agg_mode=a.loss_agg,
+            behav_is_cap=cap,
         )
     )  # fmt: skip
 
 
-def prepare_run_dir(path: str) -> Path:
-    run_dir = Path(path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+WANDB_ID_FILE = "wandb_run_id"
+"""In the run directory: the W&B run id, so that a resumed run continues the same W&B run."""
+
+
+def build_metrics_logger(cfg: Config, run_dir: Path, start_step: int) -> MetricsLogger:
+    """The sinks of the logging section (rank 0): jsonl, console, TensorBoard, W&B when enabled."""
+    wb = cfg.logging.wandb
+    run_id = None
+    if wb.enabled:
+        id_file = run_dir / WANDB_ID_FILE
+        if start_step > 0 and id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = secrets.token_hex(8)
+            id_file.write_text(run_id + "\n")
+    return MetricsLogger(build_sinks(
+        run_dir, total_steps=cfg.trainer.total_steps, log_every=cfg.logging.log_every, start_step=start_step,
+        tensorboard=cfg.logging.tensorboard, wandb=wb.enabled, wandb_project=wb.project,
+        run_name=wb.name or run_dir.resolve().name, run_id=run_id, config=dataclasses.asdict(cfg),
+        wandb_mode=wb.mode, wandb_tags=wb.tags,
+    ))  # fmt: skip

@@ -190,6 +190,11 @@ class Stages:
                     per_fn.setdefault(name, []).append(float(value))
         group = rewards.view(-1, self.cfg.rollout.group_size)
         versions = torch.tensor([s.version for s in samples], dtype=torch.float32)
+        # per reward function: which share of the completions it raised / timed out on (RewardRunner's info)
+        failures = [s.reward_info.get("failures", {}) for s in samples]
+        for name in self.rewards.names:
+            for kind in ("error", "timeout"):
+                per_fn[f"{name}/{kind}_frac"] = [float(f.get(name) == kind) for f in failures]
         return {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

@@ -10,7 +10,7 @@ import importlib.util
 import logging
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +18,12 @@ logger = logging.getLogger(__name__)
 class TensorBoardSink:
     """Writes every finite metric as a scalar with `global_step=step` to a TensorBoard event file."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: TensorBoard hides the events of earlier files from this step on, so a run resumed
+        # from an older checkpoint does not show two curves over the steps it repeats
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Add one scalar per metric; NaN / inf are skipped (TensorBoard charts break on them)."""
@@ -35,14 +37,14 @@ class TensorBoardSink:
         self._writer.close()
 
 
-def make_tensorboard_sink(log_dir: str | Path) -> TensorBoardSink | None:
+def make_tensorboard_sink(log_dir: str | Path, purge_step: int | None = None) -> TensorBoardSink | None:
     """A TensorBoardSink, or None (logged at info) when `torch.utils.tensorboard` cannot import."""
     try:
         import torch.utils.tensorboard  # noqa: F401  (needs the separate `tensorboard` package)
     except ImportError as err:
         logger.info("TensorBoard logging unavailable (%s); install `tensorboard` to enable it", err)
         return None
-    return TensorBoardSink(log_dir)
+    return TensorBoardSink(log_dir, purge_step=purge_step)
 
 
 class WandbSink:
@@ -55,6 +57,8 @@ class WandbSink:
         run_name: str | None = None,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
+        mode: str = "online",
+        tags: Sequence[str] = (),
     ) -> None:
         import wandb
 
@@ -65,6 +69,8 @@ class WandbSink:
             resume="allow" if run_id is not None else None,
             dir=str(run_dir),
             config=dict(config) if config is not None else None,
+            mode=mode,
+            tags=list(tags) or None,
         )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -82,9 +88,11 @@ def make_wandb_sink(
     run_name: str | None = None,
     run_id: str | None = None,
     config: Mapping[str, Any] | None = None,
+    mode: str = "online",
+    tags: Sequence[str] = (),
 ) -> WandbSink | None:
     """A WandbSink, or None with a warning when wandb was asked for but is not installed."""
     if importlib.util.find_spec("wandb") is None:
-        logger.warning("wandb logging was enabled but wandb is not installed; it is skipped")
+        logger.warning("logging.wandb.enabled is set but wandb is not installed (pip install wandb): W&B logging is skipped")
         return None
-    return WandbSink(project, run_dir, run_name=run_name, run_id=run_id, config=config)
+    return WandbSink(project, run_dir, run_name=run_name, run_id=run_id, config=config, mode=mode, tags=tags)

@@ -79,7 +79,9 @@ class ConsoleSink:
         # `completed=step` rather than advance(1): steps may be skipped or repeated across resumes.
         self._progress.update(self._task, completed=step, description=" | ".join(parts) or f"step {step}")
         if step % self.print_every == 0:
-            self._progress.console.print(self.format_line(step, metrics), highlight=False)
+            # soft_wrap: one physical line per step even where the console has no real width
+            # (a log file or a pipe, which rich treats as 80 columns)
+            self._progress.console.print(self.format_line(step, metrics), highlight=False, soft_wrap=True)
 
     @staticmethod
     def format_line(step: int, metrics: Mapping[str, float]) -> str:

@@ -70,6 +70,8 @@ def build_sinks(
     run_name: str | None = None,
     run_id: str | None = None,
     config: Mapping[str, Any] | None = None,
+    wandb_mode: str = "online",
+    wandb_tags: Sequence[str] = (),
 ) -> list[Sink]:
     """The standard sinks of a run: `run_dir/metrics.jsonl` always, then the console (bar plus a
     line every `log_every` steps), TensorBoard (`run_dir/tb`, skipped if unavailable) and wandb
@@ -79,11 +81,12 @@ def build_sinks(
     if console:
         sinks.append(ConsoleSink(total_steps=total_steps, print_every=log_every, start_step=start_step))
     if tensorboard:
-        tb = make_tensorboard_sink(run_dir / "tb")
+        tb = make_tensorboard_sink(run_dir / "tb", purge_step=start_step + 1 if start_step else None)
         if tb is not None:
             sinks.append(tb)
     if wandb:
-        wb = make_wandb_sink(wandb_project, run_dir, run_name=run_name, run_id=run_id, config=config)
+        wb = make_wandb_sink(wandb_project, run_dir, run_name=run_name, run_id=run_id, config=config,
+                             mode=wandb_mode, tags=wandb_tags)  # fmt: skip
         if wb is not None:
             sinks.append(wb)
     return sinks

@@ -44,6 +44,9 @@ def lookup_peak_flops(device_name: str) -> float | None:
     return None
 
 
+_OVERRIDE = "trainer.peak_flops (slipstream bench: --peak-flops)"
+
+
 def device_peak_flops(device_name: str | None = None, override: float | None = None) -> float | None:
     """Peak FLOP/s to compute MFU against: `override` if given, else the table entry for the device.
 
@@ -56,18 +59,18 @@ def device_peak_flops(device_name: str | None = None, override: float | None = N
         return float(override)
     if device_name is None:
         if not torch.cuda.is_available():
-            logger.warning("no CUDA device: MFU is not reported (pass a peak override to force it)")
+            logger.warning("no CUDA device: MFU is not reported (set %s to report it)", _OVERRIDE)
             return None
         device_name = torch.cuda.get_device_name()
     if device_name.strip().lower() == "cpu":
-        logger.warning("no peak FLOP/s for the CPU: MFU is not reported (pass a peak override to force it)")
+        logger.warning("no peak FLOP/s for the CPU: MFU is not reported (set %s to report it)", _OVERRIDE)
         return None
     peak = lookup_peak_flops(device_name)
     if peak is None:
         logger.warning(
-            "no dense bf16 peak known for device %r: MFU is not reported; "
-            "set the peak FLOP/s explicitly to report it",
+            "no dense bf16 peak known for device %r: MFU is not reported; set %s to its dense bf16 FLOP/s to report it",
             device_name,
+            _OVERRIDE,
         )
     return peak
 

@@ -1,10 +1,18 @@
-"""Sandboxed reward scoring: worker processes with a per-item timeout and hung-worker replacement.
+"""Sandboxed reward scoring: worker processes, per-call timeouts, failures summarised once per batch.
 
-Each worker is a "spawn" process that resolves the reward specs once, then scores the items
-it is sent (a few queued at a time) over its own pipe, replying once per item. The parent
-times the item each worker is on; a worker that overruns is killed and replaced and the items
-queued behind the stuck one go back to the pool, so one hanging or crashing reward never
-stalls or kills the training run. Workers are reused across `score` calls.
+Each worker is a "spawn" process that resolves the reward specs once, then runs the calls it is
+sent (one call = one reward function on one completion; a few queued at a time) over its own
+pipe, replying once per call. The parent times the call each worker is on; a worker that
+overruns is killed and replaced and the calls queued behind the stuck one go back to the pool,
+so one hanging or crashing reward never stalls or kills the training run. Workers are reused
+across `score` calls.
+
+A batch (one `score` call: a step's completions in the sync loop) gives a function that hangs
+one timeout, not one per completion: the workers run calls side by side, so their first calls of
+a hanging function time out together, and once a call of a function has timed out, the rest of
+that function's calls in the batch are not run (scored as timeouts). A function whose every call
+timed out in `disable_after` batches in a row is disabled: it is not called again and drops out
+of the weighted sum, with a message saying so.
 """
 
 from __future__ import annotations
@@ -22,27 +30,31 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Sequence
 
-from slipstream.rewards.registry import BUILTIN_REWARDS, FILE_MODULE_PREFIX, REWARDS, CombinedReward, RewardSpec
+from slipstream.rewards.registry import (
+    BUILTIN_REWARDS, FILE_MODULE_PREFIX, REWARDS, CombinedReward, RewardSpec, to_score,
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 120.0  # spawn + imports of user reward modules; generous for slow filesystems
 _LOG_COMPLETION_CHARS = 200
-# Items queued per worker: the worker goes on to the next item without a round trip to the
+# Calls queued per worker: the worker goes on to the next call without a round trip to the
 # parent, which matters when a reward takes microseconds and the pipe latency does not.
 _MAX_INFLIGHT = 8
 
 Item = tuple[str, "str | None", str]  # (completion, answer, prompt)
+Call = tuple[int, int]  # (item index, function index)
 
 
 class RewardError(RuntimeError):
-    """A reward raised or timed out while the runner was configured with on_error="raise"."""
+    """A reward raised or timed out while the runner was configured with on_error="raise", or every
+    reward function has been disabled."""
 
 
 def _worker_main(conn: Connection, specs: list[tuple[RewardSpec, float]], names: list[str]) -> None:
-    """Worker loop: resolve the rewards once, then score lists of (task_id, item) until None.
+    """Worker loop: resolve the rewards once, then run lists of (task_id, fn index, item) until None.
 
-    One reply per item (not per list), so the parent can time each item separately.
+    One reply per call (not per list), so the parent can time each call separately.
     """
     # Ctrl-C goes to the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,10 +71,11 @@ def _worker_main(conn: Connection, specs: list[tuple[RewardSpec, float]], names:
             return
         if tasks is None:
             return
-        for task_id, (completion, answer, prompt) in tasks:
+        for task_id, fn_index, (completion, answer, prompt) in tasks:
+            name = reward.names[fn_index]
             try:
-                score, info = reward.score(completion, answer, prompt)
-                reply = (task_id, "ok", score, info)
+                score, extra = to_score(reward.fns[fn_index](completion, answer, prompt), name)
+                reply = (task_id, "ok", score, extra)
             except Exception as e:  # noqa: BLE001 - any reward failure is reported, never fatal
                 reply = (task_id, "error", f"{type(e).__name__}: {e}", traceback.format_exc())
             try:
@@ -78,9 +91,20 @@ class _Worker:
     started_at: float
     ready: bool = False
     inflight: deque = field(default_factory=deque)
-    """(task_id, item index) sent and not yet answered, in the order the worker scores them."""
+    """(task_id, call) sent and not yet answered, in the order the worker runs them."""
     deadline: float = 0.0
     """When the head of `inflight` times out."""
+
+
+@dataclass
+class _Outcome:
+    """What one call gave: a score (and extra info), or an error / timeout message."""
+
+    kind: str  # "ok" | "error" | "timeout"
+    score: float = 0.0
+    extra: dict = field(default_factory=dict)
+    message: str = ""
+    traceback: str | None = None
 
 
 def _stop_workers(workers: list[_Worker]) -> None:
@@ -103,11 +127,17 @@ def _stop_workers(workers: list[_Worker]) -> None:
 class RewardRunner:
     """Scores (completion, answer, prompt) items with a weighted sum of rewards.
 
-    num_workers=0 scores inline in this process: exceptions are still caught, but `timeout_s`
-    is NOT enforced (a hanging reward hangs the caller). With num_workers>0 each item has
-    `timeout_s` seconds once a worker has it; overruns are killed and scored `error_score`.
-    Rewards given as callables must be picklable (module-level); rewards from a file are
-    given as "path/file.py:function" so that each worker imports the file itself.
+    num_workers=0 runs the calls inline in this process: exceptions are still caught, but
+    `timeout_s` is NOT enforced (a hanging reward hangs the caller). With num_workers>0 each call
+    has `timeout_s` seconds once a worker has started it; an overrun is killed and scored
+    `error_score`, and the function's other calls in that batch are not run. Any failing function
+    scores the whole completion `error_score`. Rewards given as callables must be picklable
+    (module-level); rewards from a file are given as "path/file.py:function" so that each worker
+    imports the file itself.
+
+    Failures are summarised in one log line per `score` call (with the first message) and marked
+    in each completion's info: `info["error"]` (the first message) and `info["failures"]`
+    ({function name: "error" | "timeout"}), which the trainer turns into per-function metrics.
     """
 
     def __init__(
@@ -117,6 +147,7 @@ class RewardRunner:
         timeout_s: float = 10.0,
         on_error: str = "zero",
         error_score: float = 0.0,
+        disable_after: int = 3,
     ):
         if isinstance(specs_with_weights, str) or callable(specs_with_weights):
             specs_with_weights = [(specs_with_weights, 1.0)]
@@ -126,6 +157,8 @@ class RewardRunner:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not isinstance(disable_after, int) or disable_after < 0:
+            raise ValueError(f"disable_after must be an integer >= 0, got {disable_after!r}")
         # Resolving here validates every spec (unknown names, bad imports) before any worker starts.
         self._reward = CombinedReward(list(specs_with_weights))
         self.names = list(self._reward.names)
@@ -133,6 +166,10 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.on_error = on_error
         self.error_score = float(error_score)
+        self.disable_after = disable_after
+        self.disabled: set[str] = set()
+        """Functions no longer called (they timed out on every call in `disable_after` batches in a row)."""
+        self._timeout_streak = dict.fromkeys(self.names, 0)
         self._task_counter = 0
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
@@ -168,7 +205,14 @@ class RewardRunner:
         process = self._ctx.Process(
             target=_worker_main, args=(child_conn, self._worker_specs, self.names), daemon=True, name="slipstream-reward"
         )
-        process.start()
+        # SIGINT stays blocked while the child is created: the mask is inherited across exec, so a
+        # Ctrl-C sent to the process group while the worker imports its modules cannot reach it
+        # (it prints no traceback); the parent gets the signal once it is unblocked.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         # Close our copy of the child's end so that a dead worker shows up as EOF on parent_conn.
         child_conn.close()
         return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
@@ -185,83 +229,149 @@ class RewardRunner:
         """(reward, info) for every (completion, answer, prompt) item, in order."""
         if not self._finalizer.alive:
             raise RuntimeError("RewardRunner is closed")
+        items = list(items)
+        active = [f for f, name in enumerate(self.names) if name not in self.disabled]
+        calls = [(i, f) for i in range(len(items)) for f in active]
         if self.num_workers == 0:
-            return [self._score_inline(item) for item in items]
-        return self._score_parallel(list(items))
+            outcomes = {call: self._call_inline(items[call[0]], call[1]) for call in calls}
+        else:
+            outcomes = self._run_parallel(items, calls)
+        results = [self._combine(i, active, outcomes) for i in range(len(items))]
+        self._summarise(items, active, outcomes)
+        return results
 
-    def _score_inline(self, item: Item) -> tuple[float, dict]:
+    def _call_inline(self, item: Item, fn_index: int) -> _Outcome:
+        name = self.names[fn_index]
         try:
-            return self._reward.score(*item)
+            score, extra = to_score(self._reward.fns[fn_index](*item), name)
+            return _Outcome("ok", score, extra)
         except Exception as e:  # noqa: BLE001 - reward failures are data, not crashes
-            return self._on_failure(item, f"{type(e).__name__}: {e}", traceback.format_exc())
-
-    def _on_failure(self, item: Item, error: str, tb: str | None) -> tuple[float, dict]:
-        completion = item[0]
-        shown = completion[:_LOG_COMPLETION_CHARS] + ("..." if len(completion) > _LOG_COMPLETION_CHARS else "")
+            outcome = _Outcome("error", message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         if self.on_error == "raise":
-            raise RewardError(f"reward {'+'.join(self.names)} failed: {error} (completion: {shown!r})")
-        logger.warning("reward %s failed, scored %s: %s; completion: %r",
-                       "+".join(self.names), self.error_score, error, shown)
-        if tb:
-            logger.debug("reward traceback:\n%s", tb)
-        return self.error_score, {"error": error}
+            raise self._raise_error(item, name, outcome)
+        return outcome
 
-    def _score_parallel(self, items: list[Item]) -> list[tuple[float, dict]]:
-        results: list[tuple[float, dict] | None] = [None] * len(items)
-        pending = deque(range(len(items)))
+    def _raise_error(self, item: Item, name: str, outcome: _Outcome) -> RewardError:
+        return RewardError(f"reward {name} failed: {outcome.message} (completion: {_shown(item[0])!r})")
+
+    def _combine(self, index: int, active: list[int], outcomes: dict[Call, _Outcome]) -> tuple[float, dict]:
+        """The weighted total and info of one item; any failing function makes it `error_score`."""
+        total, info, failures, first = 0.0, {}, {}, None
+        for f in active:
+            name, outcome = self.names[f], outcomes[(index, f)]
+            if outcome.kind == "ok":
+                total += self._reward.weights[f] * outcome.score
+                info[name] = outcome.score
+                info.update({f"{name}/{k}": v for k, v in outcome.extra.items()})
+            else:
+                failures[name] = outcome.kind
+                first = first or f"{name}: {outcome.message}"
+        if failures:
+            return self.error_score, {**info, "error": first, "failures": failures}
+        return total, info
+
+    def _summarise(self, items: list[Item], active: list[int], outcomes: dict[Call, _Outcome]) -> None:
+        """One log line for the batch's failures; disable functions that timed out on every call for
+        `disable_after` batches in a row."""
+        parts, first = [], None
+        for f in active:
+            name = self.names[f]
+            mine = [(i, outcomes[(i, f)]) for i in range(len(items))]
+            errors = [(i, o) for i, o in mine if o.kind == "error"]
+            timeouts = [(i, o) for i, o in mine if o.kind == "timeout"]
+            if errors:
+                parts.append(f"{name} raised on {len(errors)}/{len(items)}")
+            if timeouts:
+                parts.append(f"{name} timed out on {len(timeouts)}/{len(items)}")
+            failed = errors or timeouts
+            if failed and first is None:
+                i, outcome = failed[0]
+                first = (name, outcome, items[i][0])
+            all_timed_out = bool(items) and len(timeouts) == len(items)
+            self._timeout_streak[name] = self._timeout_streak[name] + 1 if all_timed_out else 0
+        if first is not None:
+            name, outcome, completion = first
+            logger.warning("rewards of %d completions: %s, scored %s (first: %s: %s; completion: %r)",
+                           len(items), ", ".join(parts), self.error_score, name, outcome.message, _shown(completion))
+            if outcome.traceback:
+                logger.debug("reward traceback:\n%s", outcome.traceback)
+        for name, streak in self._timeout_streak.items():
+            if self.disable_after and streak >= self.disable_after and name not in self.disabled:
+                self.disabled.add(name)
+                left = [n for n in self.names if n not in self.disabled]
+                logger.error(
+                    "reward %s timed out on every call for %d batches (steps) in a row: disabled, it is not called "
+                    "again (%s); check it, or raise reward.timeout_s (%gs) or reward.disable_after", name, streak,
+                    f"the run goes on scored by {', '.join(left)}" if left else "no reward function is left",
+                    self.timeout_s,
+                )  # fmt: skip
+        if len(self.disabled) == len(self.names):
+            raise RewardError(
+                f"every reward function is disabled ({', '.join(self.names)} timed out on every call for "
+                f"{self.disable_after} batches in a row): nothing is left to score the run with"
+            )
+
+    def _run_parallel(self, items: list[Item], calls: list[Call]) -> dict[Call, _Outcome]:
+        outcomes: dict[Call, _Outcome] = {}
+        pending = deque(calls)
+        hung: set[int] = set()  # functions that timed out in this batch: their other calls are not run
         first_error: RewardError | None = None
 
-        def fail(index: int, error: str, tb: str | None) -> None:
+        def settle(call: Call, outcome: _Outcome) -> None:
             nonlocal first_error
-            try:
-                results[index] = self._on_failure(items[index], error, tb)
-            except RewardError as e:
-                # Stop handing out work, but let in-flight items finish so the workers are
+            outcomes[call] = outcome
+            if outcome.kind != "ok" and self.on_error == "raise" and first_error is None:
+                # Stop handing out work, but let in-flight calls finish so the workers are
                 # idle (and their pipes empty) before raising.
-                first_error = first_error or e
+                first_error = self._raise_error(items[call[0]], self.names[call[1]], outcome)
                 pending.clear()
 
-        def drop_worker(w: _Worker, error: str) -> None:
-            # The head item is the one the worker was stuck on; the rest were never started.
+        def drop_worker(w: _Worker, outcome: _Outcome) -> None:
+            # The head call is the one the worker was stuck on; the rest were never started.
             if w.inflight:
-                _, index = w.inflight.popleft()
+                _, call = w.inflight.popleft()
                 if first_error is None:
-                    pending.extendleft(reversed([i for _, i in w.inflight]))
-                fail(index, error, None)
+                    pending.extendleft(reversed([c for _, c in w.inflight]))
+                settle(call, outcome)
             self._replace_worker(w)
 
         while pending or any(w.inflight for w in self._workers):
             idle = [w for w in self._workers if w.ready and len(w.inflight) <= _MAX_INFLIGHT // 2]
             for n, w in enumerate(idle):
-                # Split what is left evenly over the idle workers, a few items at a time.
+                # Split what is left evenly over the idle workers, a few calls at a time.
                 share = -(-len(pending) // (len(idle) - n))
                 tasks = []
-                for _ in range(min(share, _MAX_INFLIGHT - len(w.inflight))):
-                    index = pending.popleft()
+                while pending and len(tasks) < min(share, _MAX_INFLIGHT - len(w.inflight)):
+                    call = pending.popleft()
+                    if call[1] in hung:
+                        settle(call, _Outcome("timeout", message="not run: timed out earlier in this batch"))
+                        continue
                     self._task_counter += 1
-                    tasks.append((self._task_counter, items[index]))
-                    w.inflight.append((self._task_counter, index))
+                    tasks.append((self._task_counter, call[1], items[call[0]]))
+                    w.inflight.append((self._task_counter, call))
                 if tasks:
                     if len(w.inflight) == len(tasks):
                         w.deadline = time.monotonic() + self.timeout_s
                     try:
                         w.conn.send(tasks)
-                    except OSError:  # died since its last reply; the head item is charged for it
-                        drop_worker(w, f"reward worker died (exit code {w.process.exitcode})")
+                    except OSError:  # died since its last reply; the head call is charged for it
+                        drop_worker(w, _died(w))
             # Sleep until a message arrives or the earliest deadline passes.
             deadlines = [w.deadline for w in self._workers if w.inflight]
             deadlines += [w.started_at + _STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+            if not deadlines:  # what was left was settled without running (calls of a function that timed out)
+                continue
             wait([w.conn for w in self._workers], timeout=max(0.0, min(deadlines) - time.monotonic()))
             for w in list(self._workers):
                 while w.conn.poll():
                     try:
                         msg = w.conn.recv()
                     except (EOFError, OSError):
-                        # The worker died (os._exit, segfault, OOM kill): score its item, replace it.
+                        # The worker died (os._exit, segfault, OOM kill): score its call, replace it.
                         if not w.ready:
                             self.close()
                             raise RuntimeError(f"reward worker died at start-up (exit code {w.process.exitcode})")
-                        drop_worker(w, f"reward worker died (exit code {w.process.exitcode})")
+                        drop_worker(w, _died(w))
                         break
                     if msg[0] == "ready":
                         w.ready = True
@@ -269,25 +379,28 @@ class RewardRunner:
                         self.close()
                         raise RuntimeError(f"reward worker failed to load the rewards: {msg[1]}\n{msg[2]}")
                     else:
-                        task_id, index = w.inflight.popleft()
+                        task_id, call = w.inflight.popleft()
                         assert msg[0] == task_id, "reply does not match the task sent"
-                        # The worker starts on its next queued item as soon as it replies.
+                        # The worker starts on its next queued call as soon as it replies.
                         w.deadline = time.monotonic() + self.timeout_s
                         if msg[1] == "ok":
-                            results[index] = (msg[2], msg[3])
+                            settle(call, _Outcome("ok", msg[2], msg[3]))
                         else:
-                            fail(index, msg[2], msg[3])
+                            settle(call, _Outcome("error", message=msg[2], traceback=msg[3]))
             now = time.monotonic()
             for w in list(self._workers):
                 if w.inflight and now >= w.deadline:
-                    drop_worker(w, f"timeout after {self.timeout_s:g}s")
+                    hung.add(w.inflight[0][1][1])
+                    drop_worker(w, _Outcome("timeout", message=f"timeout after {self.timeout_s:g}s"))
+                elif w.inflight and w.inflight[0][1][1] in hung:  # started before its function timed out
+                    drop_worker(w, _Outcome("timeout", message="stopped: timed out earlier in this batch"))
                 elif not w.ready and now >= w.started_at + _STARTUP_TIMEOUT_S:
                     self.close()
                     raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:g}s")
         if first_error is not None:
             raise first_error
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        assert len(outcomes) == len(calls)
+        return outcomes
 
     # -----------------------------------------------------------------------------------------
 
@@ -300,3 +413,11 @@ class RewardRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _died(worker: _Worker) -> _Outcome:
+    return _Outcome("error", message=f"reward worker died (exit code {worker.process.exitcode})")
+
+
+def _shown(completion: str) -> str:
+    return completion[:_LOG_COMPLETION_CHARS] + ("..." if len(completion) > _LOG_COMPLETION_CHARS else "")

@@ -9,7 +9,7 @@ import torch
 from slipstream.config import load_config
 from slipstream.controller.grpo import RLTrainer
 
-BASE = ("trainer.tensorboard=false", "trainer.export_hf=false", "trainer.log_every=1000", "algo.decoupled=true")
+BASE = ("logging.tensorboard=false", "trainer.export_hf=false", "logging.log_every=1000", "algo.decoupled=true")
 
 
 def _trainer(run_dir, *overrides: str) -> RLTrainer:

@@ -9,7 +9,7 @@ from slipstream.config import load_config
 from slipstream.controller.grpo import NonFiniteLoss, RLTrainer
 from slipstream.engine.local import OutOfMemory
 
-BASE = ["trainer.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+BASE = ["logging.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4"]
 
 
 def _trainer(tmp_path, *extra):
@@ -53,6 +53,8 @@ def test_raising_reward_is_scored_and_the_run_goes_on(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/error_frac"] for r in rows] == [1.0, 1.0]
     assert all(r["reward/mean"] == 0.0 for r in rows)
+    assert [r["reward/always_raising_reward/error_frac"] for r in rows] == [1.0, 1.0]  # per function, too
+    assert [r["reward/always_raising_reward/timeout_frac"] for r in rows] == [0.0, 0.0]
 
 
 def test_out_of_memory_in_rollout_names_the_setting(tmp_path, monkeypatch):

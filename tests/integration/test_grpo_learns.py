@@ -13,7 +13,7 @@ from slipstream.report import write_report
 def test_grpo_reward_rises(tmp_path):
     cfg = load_config(
         "recipes/demo.yaml",
-        [f"trainer.run_dir={tmp_path}", "trainer.total_steps=80", "trainer.tensorboard=false", "trainer.log_every=20"],
+        [f"trainer.run_dir={tmp_path}", "trainer.total_steps=80", "logging.tensorboard=false", "logging.log_every=20"],
     )
     trainer = RLTrainer(cfg)
     trainer.fit()

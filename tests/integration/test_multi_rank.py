@@ -21,7 +21,7 @@ from slipstream.engine.distributed import destroy_distributed, free_port
 
 SMALL = (
     "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01", "algo.ppo_n_minibatches=2",
-    "trainer.tensorboard=false", "trainer.save_every=2",
+    "logging.tensorboard=false", "trainer.save_every=2",
 )  # fmt: skip
 SAME_ON_EVERY_RANK = ("reward/", "rollout/", "actor/")
 
@@ -84,7 +84,7 @@ REWARD = Path(__file__).resolve().parents[1] / "unit" / "rewards_fixtures.py"
 # responses, varied rewards, KL to the reference, 2 minibatches x 2 epochs, small micro-batches.
 EQUIV = (
     "rollout.prompts_per_step=8", "rollout.group_size=3", "rollout.max_new_tokens=3", "algo.kl_coef=0.05",
-    "algo.ppo_n_minibatches=2", "algo.ppo_epochs=2", "actor.max_tokens_per_mb=16", "trainer.tensorboard=false",
+    "algo.ppo_n_minibatches=2", "algo.ppo_epochs=2", "actor.max_tokens_per_mb=16", "logging.tensorboard=false",
     "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]",
 )  # fmt: skip
 
@@ -117,7 +117,7 @@ def test_two_ranks_resume_exactly(tmp_path):
 
 
 def test_two_ranks_learn_the_demo(tmp_path):
-    r0, _ = _run(tmp_path, "demo", 120, ("trainer.tensorboard=false", "trainer.export_hf=false"))
+    r0, _ = _run(tmp_path, "demo", 120, ("logging.tensorboard=false", "trainer.export_hf=false"))
     rewards = [m["reward/mean"] for m in r0["metrics"]]
     assert sum(rewards[:10]) / 10 < 0.2
     assert sum(rewards[-10:]) / 10 > 0.8
@@ -129,7 +129,7 @@ def test_two_ranks_learn_the_demo(tmp_path):
 ])  # fmt: skip
 def test_two_rank_config_errors(tmp_path, override, message):
     with pytest.raises(Exception) as err:
-        _run(tmp_path, "bad", 1, ("trainer.tensorboard=false", override))
+        _run(tmp_path, "bad", 1, ("logging.tensorboard=false", override))
     assert message in str(err.value)
 
 
@@ -174,7 +174,7 @@ def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mo
     demo is learned, and in async mode (max_staleness 1) generation runs one version behind."""
     out = tmp_path / "out"
     out.mkdir()
-    extra = ("trainer.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}", "trainer.max_staleness=1")
+    extra = ("logging.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}", "trainer.max_staleness=1")
     mp.spawn(_disaggregated_worker, args=(2, free_port(), str(tmp_path / "run"), 120, extra, str(out)), nprocs=2,
              join=True)  # fmt: skip
     trainer, rollout = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))

@@ -16,7 +16,7 @@ def _run(run_dir, steps):
     cfg = load_config(
         "recipes/demo.yaml",
         [
-            f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.tensorboard=false",
+            f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01",
             "algo.ppo_n_minibatches=2", "trainer.export_hf=false",
         ],
@@ -40,7 +40,7 @@ def test_interrupt_mid_step_finishes_the_step_then_saves(tmp_path, monkeypatch):
     checkpoint of step 3 is saved, and resuming gives exactly the uninterrupted run."""
     straight = _run(tmp_path / "a", 4)
     cfg_overrides = [
-        f"trainer.run_dir={tmp_path / 'b'}", "trainer.total_steps=4", "trainer.tensorboard=false",
+        f"trainer.run_dir={tmp_path / 'b'}", "trainer.total_steps=4", "logging.tensorboard=false",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01",
         "algo.ppo_n_minibatches=2", "trainer.export_hf=false",
     ]

@@ -41,3 +41,17 @@ def always_raising_reward(completion: str, answer: str | None, prompt: str) -> f
 def char_code_reward(completion: str, answer: str | None, prompt: str) -> float:
     """A deterministic score in [0, 1) that varies between completions (for loop-equivalence tests)."""
     return float(sum(map(ord, completion)) % 7) / 7.0
+
+
+def always_hanging_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """Hangs on every call (a reward stuck on a lock or a dead server)."""
+    time.sleep(60)
+    return 0.0
+
+
+def slow_exact_reward(completion: str, answer: str | None, prompt: str) -> float:
+    """The exact-match reward, 40 ms a call: steps long enough to interrupt in the middle."""
+    from slipstream.rewards.functions import exact_reward
+
+    time.sleep(0.04)
+    return exact_reward(completion, answer, prompt)

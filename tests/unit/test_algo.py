@@ -261,6 +261,25 @@ def test_kl_estimators_values_and_gradients():
     assert kl_penalty(logp, ref, "k3")[0].item() == pytest.approx(math.log(2) - 0.5, abs=1e-12)
 
 
+def test_k3_value_is_clamped_at_extreme_log_ratios():
+    # ref - logp = 23.5: the log-ratio clamp alone gives e^20 - 21 = 4.85e8 for this one token
+    logp = torch.tensor([-25.0, -3.0, -0.5, -0.1], dtype=F64, requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.5, -5.0], dtype=F64)
+    kl = kl_penalty(logp, ref, "k3")
+    d = (ref - logp).detach()
+    inside = torch.exp(d) - d - 1  # tokens 1-3: below the bound, unchanged
+    torch.testing.assert_close(kl.detach(), torch.cat([torch.tensor([10.0], dtype=F64), inside[1:]]), rtol=0, atol=1e-12)
+    (g,) = torch.autograd.grad(kl.sum(), logp)
+    assert g[0] == 0.0  # beyond the bound: no gradient, the token cannot dominate the update
+    torch.testing.assert_close(g[1:], (1 - torch.exp(d))[1:], rtol=0, atol=1e-12)
+    assert kl.max() <= 10.0
+    unclamped = kl_penalty(logp, ref, "k3", k3_bound=None)
+    assert unclamped[0].item() == pytest.approx(math.exp(20) - 21, rel=1e-12)  # what the bound prevents
+    assert kl_penalty(logp, ref, "k3", k3_bound=2.0)[1].item() == 2.0
+    with pytest.raises(ValueError, match="kl_clamp"):
+        LossSpec(kl_clamp=0.0)
+
+
 def test_k1_k3_are_unbiased_estimates_of_kl():
     p = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=F64)
     q = torch.tensor([0.25, 0.25, 0.4, 0.1], dtype=F64)

@@ -264,7 +264,7 @@ def test_w1_budgets_and_ignored_stops_shape_every_sample(tmp_path):
     rl = spec.rl_step
     budgets = rl.sample_budgets(64)
     assert budgets[0] == 256 and budgets[-1] == 3584 and len(set(budgets)) == 64
-    cfg = load_config("recipes/demo.yaml", [f"trainer.run_dir={tmp_path}", "trainer.tensorboard=false",
+    cfg = load_config("recipes/demo.yaml", [f"trainer.run_dir={tmp_path}", "logging.tensorboard=false",
                                             "rollout.prompts_per_step=2", "rollout.group_size=3"])  # fmt: skip
     trainer = RLTrainer(cfg)
     try:

@@ -1,7 +1,10 @@
-"""Atomic checkpoint directories and exact RNG restore."""
+"""Atomic checkpoint directories, exact RNG restore, and no code run while loading one."""
 
+import os
 import random
 
+import numpy as np
+import pytest
 import torch
 
 from slipstream.checkpoint.manager import CheckpointManager
@@ -19,13 +22,16 @@ def test_atomic_save_keep_last_and_rng(tmp_path):
 
     torch.manual_seed(5)
     random.seed(5)
+    np.random.seed(5)
     manager.save(4, lambda d: None, {"data": {"pos": 4}})
-    expected = (torch.rand(3), random.random())
+    expected = (torch.rand(3), random.random(), np.random.rand())
     torch.manual_seed(99)
     random.seed(99)
+    np.random.seed(99)
     state = manager.load_trainer_state(manager.latest())
     assert state["step"] == 4 and state["data"] == {"pos": 4}
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.random.rand() == expected[2]
     assert not (tmp_path / "step_000004.tmp").exists()
 
 
@@ -44,3 +50,36 @@ def test_saved_rank_count(tmp_path):
     for rank in range(3):
         (tmp_path / trainer_file(rank)).write_bytes(b"")
     assert saved_rank_count(tmp_path) == 3
+
+
+class _Planted:
+    """Unpickling this runs a shell command (what a checkpoint from a stranger could hold)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(1, lambda d: None, {"data": {"pos": 1}})
+    marker = tmp_path / "code_ran"
+    torch.save({"step": 1, "data": _Planted(marker), "rng": {}}, manager.latest() / "trainer.pt")
+    with pytest.raises(ValueError, match=r"trainer.pt is refused: it holds Python objects .* \(it would call posix.system\)"):
+        manager.load_trainer_state(manager.latest())
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_the_older_format_still_loads(tmp_path):
+    """Trainer state once held numpy's RNG keys as an array: loading it builds an array, no other code."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(2, lambda d: None, {})
+    np.random.seed(3)
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = np.random.rand()
+    torch.save({"step": 2, "data": {"pos": 2}, "rng": old}, manager.latest() / "trainer.pt")
+    np.random.seed(4)
+    assert manager.load_trainer_state(manager.latest())["step"] == 2
+    assert np.random.rand() == expected

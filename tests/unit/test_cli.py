@@ -1,4 +1,6 @@
-"""The command line: config errors exit with status 2 and name the key."""
+"""The command line: config errors exit with status 2 and name the key (and the file and line)."""
+
+import pytest
 
 from slipstream.cli import main
 
@@ -10,7 +12,7 @@ def test_unknown_key_is_reported(capsys):
 
 
 def test_bad_value_is_reported(capsys):
-    assert main(["train", "rollout.group_size=many"]) == 2
+    assert main(["train", "recipes/demo.yaml", "rollout.group_size=many"]) == 2
     assert "rollout.group_size must be an integer" in capsys.readouterr().err
 
 
@@ -32,3 +34,41 @@ def test_resume_false_refuses_a_run_dir_with_checkpoints(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
     assert main(["train", "recipes/demo.yaml", f"trainer.run_dir={tmp_path}", "trainer.resume=false"]) == 2
     assert "trainer.resume=false" in capsys.readouterr().err
+
+
+def test_train_without_a_recipe_lists_the_recipes(capsys):
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: slipstream train") and "Traceback" not in err
+    assert "recipes/demo.yaml" in err and "README demo: a tiny from-scratch model" in err  # its first comment line
+    assert main(["train", "actor.lr=1e-3"]) == 2  # overrides alone are no recipe either
+    assert "recipes/demo.yaml" in capsys.readouterr().err
+
+
+def test_yaml_errors_name_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: tiny\nrollout:\n  group_size: 4\n  stop: [a, b\ntrainer:\n  total_steps: 3\n")
+    assert main(["train", str(bad)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith(f"{bad}:6:8: "), lines
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model:\n  preset: tiny\nactor:\n  lrr: 1.0e-3\n")
+    assert main(["train", str(unknown)]) == 2
+    assert capsys.readouterr().err == f"{unknown}:4:3: unknown config key 'actor.lrr'; did you mean 'actor.lr'?\n"
+
+
+def test_report_of_a_missing_run_dir_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"error: run directory '{tmp_path / 'nope'}' does not exist\n"
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_version_and_help_texts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("slipstream ")
+    with pytest.raises(SystemExit):
+        main(["bench", "train-step", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--warmup WARMUP untimed runs before the timed repeats" in help_text

@@ -40,6 +40,8 @@ def test_defaults_and_overrides(tmp_path):
         ("reward.num_workers=-2", "reward.num_workers must be >= 0"),
         ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
         ("algo.behav_is_cap=0", "algo.behav_is_cap must be > 0"),
+        ("algo.kl_clamp=0", "algo.kl_clamp must be > 0"),
+        ("rollout.group_size=1", "rollout.group_size=1 with algo.advantage=grpo"),
         ("actor.lr.x=1", "'lr' is a value, not a section"),
     ],
 )
@@ -54,12 +56,27 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(err.value)
 
 
+def test_group_size_one_needs_an_estimator_without_groups():
+    import torch
+
+    from slipstream.algo.advantages import ADVANTAGE_FNS, get_advantage_fn
+
+    with pytest.raises(ValueError, match="or algo.advantage=reinforce"):
+        load_config(None, ["rollout.group_size=1", "algo.advantage=rloo"])
+    assert load_config(None, ["rollout.group_size=1", "algo.advantage=reinforce"]).rollout.group_size == 1
+    # the list tells the truth: exactly these estimators give 0 to every group of one
+    rewards, groups = torch.tensor([0.0, 1.0, 3.0]), torch.arange(3)
+    for name in ADVANTAGE_FNS:
+        learns = bool(get_advantage_fn(name)(rewards, groups).abs().sum() > 0)
+        assert learns == (name not in schema.GROUP_ADVANTAGES), name
+
+
 def test_bad_recipe(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("- a\n- b\n")
-    with pytest.raises(ValueError, match="must be a mapping"):
+    with pytest.raises(ValueError, match="bad.yaml:1:1: a recipe is a mapping of sections, got a list"):
         load_config(bad)
 
 
@@ -72,11 +89,37 @@ def test_resolved_config_round_trips(tmp_path):
 def test_every_field_documented():
     import dataclasses
 
-    for section in dataclasses.fields(Config):
-        cls = getattr(schema, type(getattr(Config(), section.name)).__name__)
+    sections = [Config]
+    while sections:
+        cls = sections.pop()
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+        nested = (getattr(cls(), f.name) for f in dataclasses.fields(cls))
+        sections += [type(value) for value in nested if dataclasses.is_dataclass(value)]
+
+
+def test_moved_keys_name_their_new_place(tmp_path):
+    for old, new in {"trainer.tensorboard=false": "logging.tensorboard", "trainer.log_every=5": "logging.log_every"}.items():
+        with pytest.raises(ValueError, match=f"config key '{old.split('=')[0]}' moved to '{new}'"):
+            load_config(None, [old])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("trainer:\n  total_steps: 3\n  log_every: 5\n")
+    with pytest.raises(ValueError, match=r"old.yaml:3:3: config key 'trainer.log_every' moved to 'logging.log_every'"):
+        load_config(recipe)
+    cfg = load_config(None, ["logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.tags=[a, b]"])
+    assert cfg.logging.wandb.enabled and cfg.logging.wandb.mode == "offline" and cfg.logging.wandb.tags == ["a", "b"]
+    assert not Config().logging.wandb.enabled  # off by default
+    with pytest.raises(ValueError, match="logging.wandb.mode must be one of"):
+        load_config(None, ["logging.wandb.mode=sometimes"])
+
+
+def test_megatron_sizes_that_are_not_wired_are_rejected():
+    for backend in ("megatron:p2", "megatron:t2c2"):
+        with pytest.raises(ValueError, match="not wired into the megatron engine yet; use megatron:d<D>t<T>"):
+            load_config(None, [f"actor.backend={backend}"])
+    assert load_config(None, ["actor.backend=megatron:d1t1p1c1"]).actor.backend == "megatron:d1t1p1c1"
+    assert "p<P>" not in render_reference() and "c<C>" not in render_reference()
 
 
 def test_reference_doc_in_sync():

@@ -107,6 +107,18 @@ def test_console_sink_prints_every_k_steps():
     assert ConsoleSink.format_line(7, {}) == "step 7"
 
 
+def test_console_sink_lines_do_not_wrap_in_a_log_file():
+    buf = io.StringIO()  # a file or pipe: rich assumes 80 columns there
+    sink = ConsoleSink(total_steps=3, print_every=1, console=Console(file=buf, force_terminal=False))
+    metrics = {"reward/mean": 0.123456, "actor/pg_loss": -0.0123, "actor/kl": 0.00123, "actor/entropy": 1.2345,
+               "actor/grad_norm": 0.98765, "rollout/response_len_mean": 123.45, "perf/step_time": 12.345,
+               "perf/rollout_time": 4.5678, "perf/actor_train_time": 6.789, "perf/actor_train_mfu": 0.4321}
+    sink.log(1, metrics)
+    sink.close()
+    lines = [line for line in buf.getvalue().splitlines() if line.strip()]
+    assert lines[0] == ConsoleSink.format_line(1, metrics) and len(lines[0]) > 80
+
+
 def test_console_sink_resumed_run_and_alternate_keys():
     buf = io.StringIO()
     sink = ConsoleSink(total_steps=10, print_every=1, console=Console(file=buf, width=200), start_step=6)
@@ -196,8 +208,11 @@ def test_report_with_missing_metrics(tmp_path):
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
     assert write_report(empty).is_file()
-    with pytest.raises(ValueError, match="no metrics.jsonl"):
+    with pytest.raises(ValueError, match="does not exist"):
         write_report(tmp_path / "missing")
+    (tmp_path / "no_metrics").mkdir()
+    with pytest.raises(ValueError, match="has no metrics.jsonl"):
+        write_report(tmp_path / "no_metrics")
 
 
 def test_summarize_first_vs_last_k():
@@ -209,3 +224,66 @@ def test_summarize_first_vs_last_k():
     # Short run: windows shrink to stay disjoint (4 steps, k=10 -> first 2 vs last 2).
     short = [{"step": i, "reward/mean": float(i)} for i in range(1, 5)]
     assert "first 2 steps 1.5000 -> last 2 steps 3.5000" in summarize(short, k=10)
+
+
+class _FakeWandb:
+    """Stands in for the wandb module: records what the sink asks of it."""
+
+    def __init__(self):
+        self.init_kwargs, self.logged, self.finished = None, [], False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, metrics, step):
+        self.logged.append((step, metrics))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_from_the_logging_section(tmp_path, monkeypatch):
+    """logging.wandb reaches wandb.init (stand-in module); a resumed run continues the same W&B run."""
+    import importlib.machinery
+    import sys
+
+    from slipstream.config import load_config
+    from slipstream.controller.setup import build_metrics_logger
+
+    fake = _FakeWandb()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec("wandb") sees it
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(None, ["logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.tags=[x]",
+                             "logging.wandb.project=p", "logging.tensorboard=false"])  # fmt: skip
+    with build_metrics_logger(cfg, tmp_path, start_step=0) as logger:
+        logger.log(1, {"reward/mean": 0.5})
+    kw = fake.init_kwargs
+    assert (kw["project"], kw["mode"], kw["tags"], kw["name"]) == ("p", "offline", ["x"], tmp_path.name)
+    assert kw["config"]["logging"]["wandb"]["mode"] == "offline" and kw["dir"] == str(tmp_path)
+    assert fake.logged == [(1, {"reward/mean": 0.5})] and fake.finished
+    first_id = kw["id"]
+    with build_metrics_logger(cfg, tmp_path, start_step=1):
+        pass
+    assert fake.init_kwargs["id"] == first_id and fake.init_kwargs["resume"] == "allow"
+    (tmp_path / "fresh").mkdir()
+    with build_metrics_logger(cfg, tmp_path / "fresh", start_step=0):
+        pass
+    assert fake.init_kwargs["id"] != first_id
+    off = load_config(None, ["logging.tensorboard=false"])
+    fake.init_kwargs = None
+    with build_metrics_logger(off, tmp_path / "off", start_step=0):
+        pass
+    assert fake.init_kwargs is None  # off by default
+
+
+def test_wandb_offline_run_writes_its_files(tmp_path):
+    """The real wandb package in offline mode (skipped where wandb is not installed)."""
+    pytest.importorskip("wandb")
+    from slipstream.logging import WandbSink
+
+    sink = WandbSink("slipstream-test", tmp_path, run_name="t", mode="offline", tags=["ci"])
+    sink.log(1, {"reward/mean": 0.25})
+    sink.log(2, {"reward/mean": 0.75})
+    sink.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -146,3 +146,26 @@ def test_rope_scaling_is_ours(megatron_cpu) -> None:
 def test_bad_config_raises(megatron_cpu) -> None:
     with pytest.raises(ValueError, match="attention_bias"):
         build(dataclasses.replace(get_preset("tiny-llama"), attention_bias=True))
+
+
+@pytest.mark.parametrize("marked_by_megatron", [False, True])
+def test_tensor_parallel_flags_are_set_once(megatron_cpu, marked_by_megatron: bool) -> None:
+    """Without megatron's weight init, megatron-core 0.16 leaves the sharded weights unflagged and 0.19 flags
+    them at construction (its setter then asserts that nothing was set before): the engine flags only what
+    is unflagged, so it builds under both."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from slipstream.engine.megatron.engine import _mark_tensor_parallel
+
+    gpt = provider.build_gpt_model(CONFIGS["tiny"], use_te=False, use_cpu_initialization=True,
+                                   perform_initialization=False)  # fmt: skip
+    sharded = {m.weight: 1 if isinstance(m, RowParallelLinear) else 0 for m in gpt.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and m.weight is not None}  # fmt: skip
+    assert sharded
+    for weight, dim in sharded.items():
+        if marked_by_megatron and not hasattr(weight, "tensor_model_parallel"):  # what 0.19 does at construction
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+    _mark_tensor_parallel(gpt)
+    for weight, dim in sharded.items():
+        assert weight.tensor_model_parallel and weight.partition_dim == dim  # (0.19 gives the fused fc1 stride 2)

@@ -127,6 +127,7 @@ def test_device_peak_flops_override_and_unknown(caplog):
         assert device_peak_flops("Some Future GPU") is None
         assert device_peak_flops("cpu") is None
     assert "Some Future GPU" in caplog.text and "CPU" in caplog.text
+    assert all("trainer.peak_flops" in r.getMessage() for r in caplog.records)  # the warning names the fix
     with pytest.raises(ValueError, match="positive"):
         device_peak_flops("NVIDIA H200", override=0.0)
 

@@ -197,19 +197,23 @@ def test_runner_raising_reward_is_scored_and_logged(misbehaving_runner, caplog):
     assert "ZeroDivisionError" in results[1][1]["error"]
     assert "non-finite" in results[3][1]["error"]
     messages = [r.getMessage() for r in caplog.records]
-    assert any("ZeroDivisionError: deliberate failure" in m and "'raise'" in m for m in messages)
+    assert len(messages) == 1  # one line for the batch, with the first failure
+    assert "ZeroDivisionError: deliberate failure" in messages[0] and "'raise'" in messages[0]
+    assert "misbehaving_reward raised on 2/4" in messages[0]
 
 
 def test_runner_hanging_reward_times_out_and_pool_recovers(misbehaving_runner):
     misbehaving_runner.score([("warm", None, ""), ("up", None, "")])  # make sure both workers are up
-    items = [("hang", None, ""), ("ab", None, ""), ("abcd", None, ""), ("x", None, "")]
+    items = [("ab", None, ""), ("abcd", None, ""), ("x", None, ""), ("hang", None, ""), ("hang", None, "")]
     t0 = time.monotonic()
     results = misbehaving_runner.score(items)
     elapsed = time.monotonic() - t0
-    assert [s for s, _ in results] == [-1.0, 2.0, 4.0, 1.0]
-    assert results[0][1] == {"error": f"timeout after {TIMEOUT_S:g}s"}
-    # The hung worker is killed at the deadline; the item queued behind it moves to the other
-    # worker, so the call ends right after the timeout (its replacement starts in the background).
+    # The hung worker is killed at the deadline; the second "hang" is a call of the function that just
+    # timed out, so it is not run in this batch (or is stopped, when the other worker had started it).
+    assert [s for s, _ in results] == [2.0, 4.0, 1.0, -1.0, -1.0]
+    failures = {"misbehaving_reward": "timeout"}
+    assert results[3][1] == {"error": f"misbehaving_reward: timeout after {TIMEOUT_S:g}s", "failures": failures}
+    assert results[4][1]["failures"] == failures and "earlier in this batch" in results[4][1]["error"]
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.5, elapsed
     assert [s for s, _ in misbehaving_runner.score([("abc", None, ""), ("z", None, "")])] == [3.0, 1.0]
 
@@ -218,9 +222,9 @@ def test_runner_every_worker_hanging(misbehaving_runner):
     items = [("hang", None, ""), ("ab", None, ""), ("hang", None, ""), ("x", None, "")]
     t0 = time.monotonic()
     results = misbehaving_runner.score(items)
-    # Both workers hang at once: the items behind them wait for replacement workers to start.
-    assert [s for s, _ in results] == [-1.0, 2.0, -1.0, 1.0]
-    assert time.monotonic() - t0 < TIMEOUT_S + 15.0
+    # Both workers hang at once and time out together; the calls behind them are not run.
+    assert [s for s, _ in results] == [-1.0, -1.0, -1.0, -1.0]
+    assert time.monotonic() - t0 < TIMEOUT_S + 1.5
     assert [s for s, _ in misbehaving_runner.score([("abc", None, "")] * 5)] == [3.0] * 5
 
 
@@ -264,3 +268,39 @@ def test_runner_inline_errors_and_bad_arguments(caplog):
         RewardRunner([("mathh", 1.0)], num_workers=2)
     with pytest.raises(ValueError, match="cannot be sent to worker"):
         RewardRunner([(lambda c, a, p: 0.0, 1.0)], num_workers=1)
+
+
+def test_runner_counts_errors_per_function_and_logs_once(caplog):
+    specs = [(f"{FIXTURES}:length_reward", 1.0), (f"{FIXTURES}:always_raising_reward", 1.0)]
+    runner = RewardRunner(specs, num_workers=0, error_score=-1.0)
+    with caplog.at_level(logging.WARNING, logger="slipstream.rewards.runner"):
+        results = runner.score([("ab", None, ""), ("abc", None, ""), ("", None, "")])
+    assert [r for r, _ in results] == [-1.0] * 3
+    assert results[1][1] == {"length_reward": 3.0, "failures": {"always_raising_reward": "error"},
+                             "error": "always_raising_reward: RuntimeError: this reward always fails"}  # fmt: skip
+    (record,) = caplog.records  # one line for the batch, not one per completion
+    assert "always_raising_reward raised on 3/3" in record.getMessage() and "always fails" in record.getMessage()
+
+
+def test_hanging_function_costs_one_timeout_per_batch_then_is_disabled(caplog):
+    """Every call of always_hanging_reward hangs: each batch pays one timeout (not one per completion),
+    and after `disable_after` such batches the function is dropped from the sum."""
+    timeout, n = 1.0, 8
+    specs = [(f"{FIXTURES}:length_reward", 1.0), (f"{FIXTURES}:always_hanging_reward", 1.0)]
+    items = [("x" * k, None, "") for k in range(n)]
+    with RewardRunner(specs, num_workers=1, timeout_s=timeout, disable_after=2) as runner:
+        for _ in range(2):
+            t0 = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="slipstream.rewards.runner"):
+                results = runner.score(items)
+            assert time.monotonic() - t0 < n * timeout  # serial timeouts would take n * timeout and more
+            assert all(r == 0.0 and info["failures"] == {"always_hanging_reward": "timeout"} for r, info in results)
+            assert [info["length_reward"] for _, info in results] == list(range(n))  # the other function ran
+        assert runner.disabled == {"always_hanging_reward"}
+        assert any("always_hanging_reward timed out on every call for 2 batches (steps)" in r.getMessage() and
+                   "scored by length_reward" in r.getMessage() for r in caplog.records)  # fmt: skip
+        assert runner.score(items) == [(float(k), {"length_reward": float(k)}) for k in range(n)]
+    only_hanging = [(f"{FIXTURES}:always_hanging_reward", 1.0)]
+    with RewardRunner(only_hanging, num_workers=1, timeout_s=0.3, disable_after=1) as runner:
+        with pytest.raises(RewardError, match="every reward function is disabled"):
+            runner.score(items[:2])

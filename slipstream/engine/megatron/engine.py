@@ -30,8 +30,8 @@ the minibatch's GLOBAL token / sequence counts, so nothing may divide again:
 tests/unit/test_megatron_engine.py checks grad norm and updated weights against LocalEngine
 for 1 and 3 micro-batches and every loss aggregation mode.
 
-CPU (unit tests, `slipstream bench train-step --backend megatron --preset tiny`): megatron-core
-0.16.1's DDP, optimizer and schedule hard-code CUDA in places (`device="cuda"` scalars,
+CPU (unit tests, `slipstream bench train-step --backend megatron --preset tiny`): megatron-core's
+(0.16 to 0.19) DDP, optimizer and schedule hard-code CUDA in places (`device="cuda"` scalars,
 `torch.cuda.current_device()`, `Tensor.type()` checks). When the engine's device is the CPU,
 every engine call runs inside `cpu_compat.cuda_calls_on_cpu()`, which redirects just those
 calls; the code inside is the code the GPU runs (on CUDA the context is never entered).
@@ -101,11 +101,13 @@ def _packed_seq_params(
 
 
 def _mark_tensor_parallel(gpt) -> None:
-    """Flag every TP-sharded weight as such (megatron-core sets the flag only in its weight init).
+    """Flag every TP-sharded weight as such, where megatron-core has not already.
 
     With `perform_initialization=False` (our weights are copied in afterwards) megatron-core
-    0.16.1 never sets `tensor_model_parallel` on the sharded weights, so the grad norm would
-    count them as replicas and drop TP ranks >= 1's shards. Must run before DDP and the
+    0.16 never sets `tensor_model_parallel` on the sharded weights, so the grad norm would count
+    them as replicas and drop TP ranks >= 1's shards; 0.19 sets it in that case too, and its
+    `set_tensor_model_parallel_attributes` asserts that nothing was set before. So the flags are
+    set only where missing, and checked where Megatron set them. Must run before DDP and the
     optimizer, which copy the flag to their buffers and main params.
     """
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -116,9 +118,18 @@ def _mark_tensor_parallel(gpt) -> None:
         if weight is None:
             continue
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+            dim = 0  # output rows (vocabulary rows) are split
         elif isinstance(module, RowParallelLinear):
-            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+            dim = 1  # input columns are split
+        else:
+            continue
+        if hasattr(weight, "tensor_model_parallel"):  # newer megatron-core (0.19) marked it at construction
+            assert weight.tensor_model_parallel and weight.partition_dim == dim, (
+                f"{type(module).__name__} weight marked tensor_model_parallel={weight.tensor_model_parallel}, "
+                f"partition_dim={weight.partition_dim}; expected True, {dim}"
+            )
+        else:
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def recompute_settings(mode: str) -> dict:
