@@ -70,10 +70,38 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--resume", action="store_true",
                    help="keep the rows already in OUT/results.jsonl for this spec and run only the missing cells")  # fmt: skip
     m.set_defaults(func=run_matrix_command)
-    from slipstream.bench.rollout import add_rollout_parser
-
     add_rollout_parser(sub)
     return p
+
+
+def add_rollout_parser(sub) -> None:
+    """Register `slipstream bench rollout` on the bench sub-parsers."""
+    p = sub.add_parser("rollout", help="generation speed of the builtin engine vs the memory-bandwidth bound")
+    p.add_argument("--preset", default="qwen3-1.7b", help="model preset with random weights (default qwen3-1.7b)")
+    p.add_argument("--workload", choices=("fixed", "w1", "nanovllm"), default="fixed",
+                   help="fixed: --batch x --prompt-len + --new-tokens; w1: W1's budgets; nanovllm: nano-vllm's bench")
+    p.add_argument("--batch", default="64,256", help="comma-separated samples per call, fixed workload (default 64,256)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group), fixed workload")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--peer", action="append", default=[], choices=("hf",),
+                   help="also run transformers generate (dynamic cache; static cache + compile) on the same prompts")
+    p.add_argument("--decode-attention", default="triton",
+                   help="comma-separated decode kernels to compare in one run: triton, flash (default triton)")
+    p.add_argument("--peer-batch", default=None, help="comma-separated batch sizes the peer runs (default: all)")
+    p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="write rows + environment as JSON here")
+    p.add_argument("--profile", default=None, help="profile one more call of the first case; kernel table to this file")
+    p.set_defaults(func=_run_rollout)
+
+
+def _run_rollout(args: argparse.Namespace) -> int:
+    from slipstream.bench.rollout import run_rollout_command  # torch is imported by the command only
+
+    return run_rollout_command(args)
 
 
 def run_train_step(args: argparse.Namespace) -> int:
