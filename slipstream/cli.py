@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         trainer = RLTrainer(cfg)
-    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, ...
+    except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, missing package, ...
         print(f"config error: {err}", file=sys.stderr)
         return 2
     try:
@@ -37,6 +37,19 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.rank == 0:  # under torchrun the other ranks only train
         path = write_report(trainer.run_dir)
         print(f"run finished: {trainer.run_dir} (report: {path})")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from slipstream.eval.standalone import evaluate_target, write_json
+
+    try:
+        step, metrics = evaluate_target(args.target, args.recipe, args.overrides, show=args.show)
+    except ValueError as err:  # bad target, config, eval source or missing package
+        print(f"eval error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_json(args.out, args.target, step, metrics)
     return 0
 
 
@@ -58,7 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 rollout.group_size=8")
     train.set_defaults(func=_train)
 
-    report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
+    ev = sub.add_parser("eval", help="score a run, a checkpoint or an HF / GGUF model on eval sets, without training")
+    ev.add_argument("target", help="RUN_DIR, RUN_DIR/checkpoints/step_NNNNNN, or a model path (HF dir, .gguf, pkg:...)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.n=8 eval.sets.test.source=rg:chain_sum")
+    ev.add_argument("--recipe", help="config for a model target (a run brings its own config.yaml)")
+    ev.add_argument("--out", help="also write the metrics to this JSON file")
+    ev.add_argument("--show", type=int, default=0, metavar="N", help="print N example completions per set")
+    ev.set_defaults(func=_eval)
+
+    report = sub.add_parser("report", help="plot reward, loss, KL, entropy, step time and eval curves of a run")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
 
@@ -69,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "eval":  # overrides after an option: `eval TARGET --recipe R key=value`
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

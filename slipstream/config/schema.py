@@ -98,8 +98,8 @@ class RewardSection:
     """A reward that raises or hangs: log it and score `error_score` ("zero"), or stop the run ("raise")."""
     error_score: float = 0.0
     """Score given to a completion whose reward raised or timed out."""
-    extract: Literal["auto", "tag", "boxed", "last_line"] = "auto"
-    """Where math, countdown and rg read the answer: the last <answer> tag, \\boxed{}, or last line; auto: the first of these found."""
+    extract: Literal["auto", "tag", "boxed", "last_line", "last_number"] = "auto"
+    """Where math, countdown and rg read the answer: the last <answer> tag, \\boxed{}, last line or last number; auto: tag, else boxed, else last line."""
 
 
 @dataclass
@@ -270,6 +270,8 @@ class EvalSetSection:
     """Template of the set's prompts; None: data.prompt_template."""
     reward: list[str] = field(default_factory=list)
     """Reward that decides correctness; empty: the source task's own (rg, math, exact, countdown), math for files."""
+    extract: Literal["auto", "tag", "boxed", "last_line", "last_number"] | None = None
+    """Where the set's reward reads the answer; None: reward.extract (two sets of one seed score the same problems two ways)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # Eval requests are keyed far above any training stream position, per set and problem.
 _EVAL_KEY_BASE = 1 << 48
+_EXAMPLES = 8  # completions kept per set for `slipstream eval --show`
 
 
 def eval_key(set_name: str, index: int) -> int:
@@ -99,9 +100,11 @@ class Evaluator:
     sets: list[EvalSet]
     stop_token_ids: list[int]
     runners: dict[tuple, RewardRunner]
-    """Reward runner per reward spec list (the training runner is reused where the specs match)."""
+    """Reward runner per (reward specs, extraction) (the training runner is reused where both match)."""
     rank: int = 0
     world: int = 1
+    examples: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    """(prompt, completion, score) of the first few problems of each set in the last run (this rank's share)."""
 
     @classmethod
     def build(cls, cfg: Config, tokenizer, rollout: RolloutEngine, sets: list[EvalSet], stop_token_ids: list[int],
@@ -111,12 +114,12 @@ class Evaluator:
         runners: dict[tuple, RewardRunner] = {}
         unweighted = not cfg.reward.weights or all(w == 1.0 for w in cfg.reward.weights)
         if train_rewards is not None and train_functions and unweighted:
-            runners[tuple(train_functions)] = train_rewards
+            runners[(*train_functions, cfg.reward.extract)] = train_rewards
         for s in sets:
-            key = tuple(s.rewards)
+            key = (*s.rewards, s.extract)
             if key not in runners:
                 runners[key] = RewardRunner(
-                    [(with_extract(f, cfg.reward.extract), 1.0) for f in s.rewards], num_workers=cfg.reward.num_workers,
+                    [(with_extract(f, s.extract), 1.0) for f in s.rewards], num_workers=cfg.reward.num_workers,
                     timeout_s=cfg.reward.timeout_s, on_error="zero", error_score=0.0,
                 )  # fmt: skip
         return cls(cfg, tokenizer, rollout, sets, stop_token_ids, runners, rank, world)
@@ -158,22 +161,23 @@ class Evaluator:
         keys = [eval_key(s.name, p.index) for p in mine]
         greedy: list[Completion | None] = [None] * len(mine)
         sampled: list[tuple[Completion, ...]] = [()] * len(mine)
-        if self.cfg.eval.greedy:
-            groups = generate_keyed(self.rollout, prompts, self.sampling(greedy=True), keys)
-            greedy = [c[0] for c in self._score(s, mine, groups)]
         if self.cfg.eval.n > 0:
             groups = generate_keyed(self.rollout, prompts, self.sampling(greedy=False), keys)
             sampled = [tuple(c) for c in self._score(s, mine, groups)]
+        if self.cfg.eval.greedy:  # last, so that the examples kept are greedy ones when there are any
+            groups = generate_keyed(self.rollout, prompts, self.sampling(greedy=True), keys)
+            greedy = [c[0] for c in self._score(s, mine, groups)]
         return [ProblemResult(index=p.index, greedy=g, samples=smp) for p, g, smp in zip(mine, greedy, sampled)]
 
     def _score(self, s: EvalSet, problems, groups) -> list[list[Completion]]:
         flat = [(p, sample) for p, group in zip(problems, groups) for sample in group]
         texts = self.tokenizer.batch_decode([list(smp.response_ids) for _, smp in flat], skip_special_tokens=True)
-        scores = self.runners[tuple(s.rewards)].score([(t, p.answer, p.prompt_text) for t, (p, _) in zip(texts, flat)])
+        scores = self.runners[(*s.rewards, s.extract)].score([(t, p.answer, p.prompt_text) for t, (p, _) in zip(texts, flat)])
+        self.examples[s.name] = [(p.prompt_text, t, float(r)) for t, (p, _), (r, _) in list(zip(texts, flat, scores))[:_EXAMPLES]]
         threshold = self.cfg.eval.correct_threshold
         completions = [
             Completion(score=float(score), correct=float(score) >= threshold,
-                       answer=normalize_answer(extract_answer(text, self.cfg.reward.extract)),
+                       answer=normalize_answer(extract_answer(text, s.extract)),
                        response_len=len(smp.response_ids), truncated=smp.finish_reason == "length")
             for text, (_, smp), (score, _) in zip(texts, flat, scores)
         ]  # fmt: skip

@@ -43,6 +43,8 @@ class EvalSet:
     problems: list[EvalProblem]
     rewards: list[str]
     """Reward specs whose (unweighted) sum decides correctness."""
+    extract: str
+    """Where those rewards read the answer (reward.extract unless the set says otherwise)."""
     hashes: frozenset[str]
     """Prompt hashes of the problems (before templates)."""
     held_out: bool
@@ -94,6 +96,7 @@ def build_eval_set(name: str, spec: EvalSetSection, cfg: Config, tokenizer) -> E
         log.info("eval set %r: %s has only %d distinct problems (size %d asked)", name, source, len(records), spec.size)
     return EvalSet(
         name=name, problems=problems, rewards=list(spec.reward) or [default_reward(source, params)],
+        extract=spec.extract or cfg.reward.extract,
         hashes=frozenset(prompt_hash(r.prompt) for r in records), held_out=held_out, covers_space=covers_space,
     )  # fmt: skip
 

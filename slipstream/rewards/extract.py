@@ -5,6 +5,7 @@
     tag        the content of the last <answer>...</answer>
     boxed      the content of the last \\boxed{...} (nested braces allowed)
     last_line  the last non-empty line
+    last_number the last number (for numeric answers: scores the result, not the phrasing)
     auto       tag, else boxed, else the last line
 
 The math reward then reads a number from that span, countdown an expression, and the
@@ -15,9 +16,25 @@ from __future__ import annotations
 
 import re
 
-EXTRACT_MODES = ("auto", "tag", "boxed", "last_line")
+EXTRACT_MODES = ("auto", "tag", "boxed", "last_line", "last_number")
 
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", flags=re.DOTALL)
+# A number as written in prose: a fraction "3/4", a thousands-grouped "1,234.5", or a plain
+# "-12", "0.5", ".5". Alternation order matters: the longest forms must be tried first.
+_NUMBER_RE = re.compile(
+    r"-?\d+(?:\.\d+)?\s*/\s*-?\d+(?:\.\d+)?"  # fraction
+    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,234,567.89
+    r"|-?(?:\d+(?:\.\d*)?|\.\d+)"  # plain int / decimal
+)
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in `text` (fractions, decimals, thousands commas, negatives), or None.
+
+    A trailing "." is the sentence's full stop, not part of the number ("is 43." -> "43").
+    """
+    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    return matches[-1].rstrip(".") if matches else None
 
 
 def extract_boxed(text: str) -> str | None:
@@ -60,6 +77,8 @@ def extract_answer(completion: str, how: str = "auto") -> str | None:
         span = extract_boxed(completion)
     elif how == "last_line":
         span = last_line(completion)
+    elif how == "last_number":
+        span = extract_last_number(completion)
     else:
         span = extract_tag(completion)
         if span is None:

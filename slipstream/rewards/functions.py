@@ -12,27 +12,14 @@ import json
 import re
 from fractions import Fraction
 
-from slipstream.rewards.extract import extract_answer, extract_boxed, extract_tag
+from slipstream.rewards.extract import extract_answer, extract_boxed, extract_last_number, extract_tag
 
 # ---------------------------------------------------------------------------------------------
 # Answer extraction and normalisation (math)
 # ---------------------------------------------------------------------------------------------
 
-# A number as written in prose: a fraction "3/4", a thousands-grouped "1,234.5", or a plain
-# "-12", "0.5", ".5". Alternation order matters: the longest forms must be tried first.
-_NUMBER_RE = re.compile(
-    r"-?\d+(?:\.\d+)?\s*/\s*-?\d+(?:\.\d+)?"  # fraction
-    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,234,567.89
-    r"|-?(?:\d+(?:\.\d*)?|\.\d+)"  # plain int / decimal
-)
 _LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
-
-
-def extract_last_number(text: str) -> str | None:
-    """The last number in `text` (fractions, decimals, thousands commas, negatives), or None."""
-    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
-    return matches[-1] if matches else None
 
 
 def extract_math_answer(completion: str, how: str = "auto") -> str | None:

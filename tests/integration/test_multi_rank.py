@@ -21,7 +21,7 @@ from slipstream.engine.distributed import destroy_distributed, free_port
 
 SMALL = (
     "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01", "algo.ppo_n_minibatches=2",
-    "trainer.tensorboard=false", "trainer.save_every=2",
+    "trainer.tensorboard=false", "trainer.save_every=2", "eval.sets={}",  # evals: test_two_ranks_share_the_eval
 )  # fmt: skip
 SAME_ON_EVERY_RANK = ("reward/", "rollout/", "actor/")
 
@@ -106,7 +106,7 @@ REWARD = Path(__file__).resolve().parents[1] / "unit" / "rewards_fixtures.py"
 EQUIV = (
     "rollout.prompts_per_step=8", "rollout.group_size=3", "rollout.max_new_tokens=3", "algo.kl_coef=0.05",
     "algo.ppo_n_minibatches=2", "algo.ppo_epochs=2", "actor.max_tokens_per_mb=16", "trainer.tensorboard=false",
-    "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]",
+    "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]", "eval.sets={}",
 )  # fmt: skip
 
 
@@ -137,10 +137,21 @@ def test_two_ranks_resume_exactly(tmp_path):
 
 
 def test_two_ranks_learn_the_demo(tmp_path):
-    r0, _ = _run(tmp_path, "demo", 120, ("trainer.tensorboard=false", "trainer.export_hf=false"))
+    r0, _ = _run(tmp_path, "demo", 120, ("trainer.tensorboard=false", "trainer.export_hf=false", "eval.sets={}"))
     rewards = [m["reward/mean"] for m in r0["metrics"]]
     assert sum(rewards[:10]) / 10 < 0.2
     assert sum(rewards[-10:]) / 10 > 0.8
+
+
+def test_two_ranks_share_the_eval(tmp_path):
+    """Each rank evaluates every other problem; gathered, both ranks log the whole set's scores."""
+    extra = ("trainer.tensorboard=false", "trainer.export_hf=false", "data.task_params={num_terms: 2}",
+             "eval.sets={sums: {size: 24}}", "eval.n=2", "rollout.prompts_per_step=4")  # fmt: skip
+    r0, r1 = _run(tmp_path, "eval", 1, extra)
+    evals = [[{k: v for k, v in m.items() if k.startswith("eval/")} for m in r["metrics"]] for r in (r0, r1)]
+    assert [m["step"] for m in r0["metrics"]] == [0, 1]  # before training and after the last step
+    assert evals[0] == evals[1] and evals[0][0]["eval/sums/num_problems"] == 24
+    assert {"eval/sums/accuracy", "eval/sums/pass@2", "eval/sums/maj@2"} <= set(evals[0][1])
 
 
 @pytest.mark.parametrize("override, message", [

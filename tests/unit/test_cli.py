@@ -32,3 +32,11 @@ def test_resume_false_refuses_a_run_dir_with_checkpoints(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
     assert main(["train", "recipes/demo.yaml", f"trainer.run_dir={tmp_path}", "trainer.resume=false"]) == 2
     assert "trainer.resume=false" in capsys.readouterr().err
+
+
+def test_eval_command_errors(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    assert "neither a run directory, a checkpoint directory nor a model path" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("trainer: {total_steps: 2}\n")
+    assert main(["eval", str(tmp_path)]) == 2  # a run directory without checkpoints
+    assert "has no checkpoint" in capsys.readouterr().err

@@ -264,3 +264,18 @@ def test_runner_inline_errors_and_bad_arguments(caplog):
         RewardRunner([("mathh", 1.0)], num_workers=2)
     with pytest.raises(ValueError, match="cannot be sent to worker"):
         RewardRunner([(lambda c, a, p: 0.0, 1.0)], num_workers=1)
+
+
+def test_answer_extraction_modes():
+    from slipstream.rewards.extract import extract_answer
+
+    text = "I think <answer>41</answer>\nso \\boxed{42}\nThe answer is 43."
+    assert [extract_answer(text, how) for how in ("tag", "boxed", "last_line", "last_number", "auto")] == [
+        "41", "42", "The answer is 43.", "43", "41",
+    ]  # fmt: skip
+    assert extract_answer("no tags\n\n  final  \n") == "final"
+    assert extract_answer("   ") is None and extract_answer("x", "tag") is None
+    assert math_reward("The answer is 43.", "43", "", "last_line") == 1.0  # the last number of the last line
+    assert math_reward("<answer>41</answer> and 43", "41", "") == 1.0  # auto: the tag first
+    with pytest.raises(ValueError, match="answer extraction"):
+        extract_answer("x", "first_line")
