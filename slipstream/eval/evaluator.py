@@ -35,10 +35,10 @@ _EVAL_KEY_BASE = 1 << 48
 _EXAMPLES = 8  # completions kept per set for `slipstream eval --show`
 
 
-def eval_key(set_name: str, index: int) -> int:
-    """The sampling key of problem `index` of a set: its randomness is its own, whatever the batch."""
-    set_id = int.from_bytes(hashlib.sha1(set_name.encode()).digest()[:2], "big")
-    return _EVAL_KEY_BASE + (set_id << 24) + index
+def eval_key(prompt_text: str) -> int:
+    """The sampling key of an eval problem, a function of its prompt only: its samples do not depend on the
+    batch, and the same problem in two sets (scored two ways) gets the same completions."""
+    return _EVAL_KEY_BASE + int.from_bytes(hashlib.sha1(prompt_text.encode()).digest()[:5], "big")
 
 
 def generate_keyed(rollout: RolloutEngine, prompts: list[list[int]], sampling: SamplingParams, keys: list[int]):
@@ -105,6 +105,8 @@ class Evaluator:
     world: int = 1
     examples: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     """(prompt, completion, score) of the first few problems of each set in the last run (this rank's share)."""
+    _generated: dict = field(default_factory=dict)
+    """Completions of this run by (sampling, keys): sets that share problems generate them once."""
 
     @classmethod
     def build(cls, cfg: Config, tokenizer, rollout: RolloutEngine, sets: list[EvalSet], stop_token_ids: list[int],
@@ -142,6 +144,7 @@ class Evaluator:
     def run(self) -> dict[str, float]:
         """eval/<set>/... of the rollout's current weights, and perf/eval_time (wall seconds, all sets)."""
         start = time.perf_counter()
+        self._generated = {}
         metrics: dict[str, float] = {}
         for s in self.sets:
             results = self._gather(self._evaluate_share(s))
@@ -151,21 +154,28 @@ class Evaluator:
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
         metrics["perf/eval_time"] = time.perf_counter() - start
+        self._generated = {}
         return metrics
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, keys: list[int]):
+        cache_key = (sampling, tuple(keys))
+        if cache_key not in self._generated:
+            self._generated[cache_key] = generate_keyed(self.rollout, prompts, sampling, keys)
+        return self._generated[cache_key]
 
     def _evaluate_share(self, s: EvalSet) -> list[ProblemResult]:
         mine = s.problems[self.rank :: self.world]
         if not mine:
             return []
         prompts = [p.prompt_ids for p in mine]
-        keys = [eval_key(s.name, p.index) for p in mine]
+        keys = [eval_key(p.prompt_text) for p in mine]
         greedy: list[Completion | None] = [None] * len(mine)
         sampled: list[tuple[Completion, ...]] = [()] * len(mine)
         if self.cfg.eval.n > 0:
-            groups = generate_keyed(self.rollout, prompts, self.sampling(greedy=False), keys)
+            groups = self._generate(prompts, self.sampling(greedy=False), keys)
             sampled = [tuple(c) for c in self._score(s, mine, groups)]
         if self.cfg.eval.greedy:  # last, so that the examples kept are greedy ones when there are any
-            groups = generate_keyed(self.rollout, prompts, self.sampling(greedy=True), keys)
+            groups = self._generate(prompts, self.sampling(greedy=True), keys)
             greedy = [c[0] for c in self._score(s, mine, groups)]
         return [ProblemResult(index=p.index, greedy=g, samples=smp) for p, g, smp in zip(mine, greedy, sampled)]
 

@@ -140,3 +140,21 @@ def test_generate_keyed_passes_keys_or_leaves_the_sampler_as_it_was():
     assert torch.equal(rollout.state_dict()["generator"], before)  # training samples are not shifted
     again = generate_keyed(rollout, [[1, 5], [1, 6]], sampling, [11, 12])
     assert [[s.response_ids for s in g] for g in first] == [[s.response_ids for s in g] for g in again]
+
+
+def test_sets_sharing_problems_share_their_completions():
+    from slipstream.eval import Evaluator
+
+    cfg = _cfg("data.task_params={num_terms: 2}", "reward.num_workers=0", "rollout.max_new_tokens=2", "eval.n=2",
+               "eval.sets={a: {size: 8}, b: {size: 8, reward: [math]}, c: {size: 8, seed: 2}}")  # fmt: skip
+    tok = build_char_tokenizer()
+    sets = build_eval_sets(cfg, tok)
+    rollout = BuiltinRollout(get_preset("tiny"), max_batch_size=64, seed=0)
+    calls = []
+    generate = rollout.generate
+    rollout.generate = lambda prompts, sampling: calls.append(sampling.n) or generate(prompts, sampling)
+    evaluator = Evaluator.build(cfg, tok, rollout, sets, [tok.eos_token_id])
+    metrics = evaluator.run()
+    evaluator.close()
+    assert calls == [2, 1, 2, 1]  # sets a and b (the same problems): once; set c: its own problems
+    assert {"eval/a/accuracy", "eval/b/pass@2", "eval/c/maj@2", "perf/eval_time"} <= set(metrics)
