@@ -65,6 +65,19 @@ def _stopped(stop) -> str:
     return f"interrupted again: stopped at once during step {stop.step + 1}, no checkpoint was written; {where}"
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from slipstream.eval.standalone import evaluate_target, write_json
+
+    try:
+        step, metrics = evaluate_target(args.target, args.recipe, args.overrides, show=args.show)
+    except ValueError as err:  # bad target, config, eval source or missing package
+        print(f"eval error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_json(args.out, args.target, step, metrics)
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from slipstream.report import write_report
 
@@ -118,7 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "and export are deleted first)")  # fmt: skip
     train.set_defaults(func=_train, usage=train.format_usage())
 
-    report = sub.add_parser("report", help="plot reward, loss, KL, entropy and step time of a run")
+    ev = sub.add_parser("eval", help="score a run, a checkpoint or an HF / GGUF model on eval sets, without training")
+    ev.add_argument("target", help="RUN_DIR, RUN_DIR/checkpoints/step_NNNNNN, or a model path (HF dir, .gguf, pkg:...)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.n=8 eval.sets.test.source=rg:chain_sum")
+    ev.add_argument("--recipe", help="config for a model target (a run brings its own config.yaml)")
+    ev.add_argument("--out", help="also write the metrics to this JSON file")
+    ev.add_argument("--show", type=int, default=0, metavar="N", help="print N example completions per set")
+    ev.set_defaults(func=_eval)
+
+    report = sub.add_parser("report", help="plot reward, loss, KL, entropy, step time and eval curves of a run")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
 
@@ -131,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # argparse ends a nargs="*" positional at the first option: overrides after --overwrite land here
-    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+    # argparse ends a nargs="*" positional at the first option: overrides after an option land here
+    if args.command in ("train", "eval") and all("=" in item and not item.startswith("-") for item in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

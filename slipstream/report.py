@@ -1,4 +1,7 @@
-"""One-page picture of a run: report.png (2 x 3 panels) drawn from run_dir/metrics.jsonl.
+"""One-page picture of a run: report.png drawn from run_dir/metrics.jsonl.
+
+Two rows of 2 x 3 panels (reward, loss, KL, entropy, step time, throughput), then, when the run
+has eval sets, one panel per set with the training reward and the set's eval scores over steps.
 
 Usage: `python -m slipstream.report RUN_DIR`.
 """
@@ -71,10 +74,12 @@ def _line_panel(ax: Axes, records: Sequence[dict], keys: Sequence[str], title: s
 def _step_time_panel(ax: Axes, records: Sequence[dict]) -> None:
     title = "step time breakdown (s)"
     found = {key[len("perf/") : -len("_time")] for r in records for key in r if key.startswith("perf/") and key.endswith("_time")}
-    phases = [p for p in _PHASE_ORDER if p in found] + sorted(found - set(_PHASE_ORDER) - {"step"})
+    # eval runs between steps, outside perf/step_time: it is not one of the step's phases
+    phases = [p for p in _PHASE_ORDER if p in found] + sorted(found - set(_PHASE_ORDER) - {"step", "eval"})
     if not phases and "step" not in found:
         _not_logged(ax, title)
         return
+    records = [r for r in records if "perf/step_time" in r or not any(k.startswith("eval/") for k in r)]
     steps = np.array([r["step"] for r in records])
     bottom = np.zeros(len(records))
     for phase in phases:
@@ -124,6 +129,64 @@ def _throughput_panel(ax: Axes, records: Sequence[dict]) -> None:
         ax_mfu.legend(fontsize=7, loc="upper right")
 
 
+def eval_sets(records: Sequence[dict]) -> list[str]:
+    """Names of the eval sets logged (keys eval/<set>/...), in order of first appearance."""
+    names: dict[str, None] = {}
+    for r in records:
+        for key in r:
+            if key.startswith("eval/") and key.count("/") == 2:
+                names.setdefault(key.split("/")[1], None)
+    return list(names)
+
+
+def headline_eval_key(records: Sequence[dict], name: str) -> str | None:
+    """The score a set is judged by: greedy accuracy, else mean@n."""
+    keys = {key for r in records for key in r if key.startswith(f"eval/{name}/")}
+    if f"eval/{name}/accuracy" in keys:
+        return f"eval/{name}/accuracy"
+    return next(iter(sorted(k for k in keys if "/mean@" in k)), None)
+
+
+def _eval_panel(ax: Axes, records: Sequence[dict], name: str, smooth: int) -> None:
+    """Training reward (smoothed) and the set's eval scores on one axis (all are in [0, 1] for 0/1 rewards)."""
+    reward = _series(records, "reward/mean")
+    if reward is not None:
+        ax.plot(reward[0], _smooth(reward[1], smooth), color="gray", alpha=0.7, label=f"train reward/mean (mean of {smooth})")
+    prefix = f"eval/{name}/"
+    keys = sorted({key for r in records for key in r if key.startswith(prefix)})
+    shown = [k for k in keys if k.removeprefix(prefix) == "accuracy" or "@" in k.removeprefix(prefix)]
+    for key in shown:
+        series = _series(records, key)
+        if series is not None:
+            ax.plot(*series, marker="o", markersize=4, label=key.removeprefix(prefix))
+    held = _series(records, f"{prefix}held_out")
+    note = " (not held out)" if held is not None and not held[1][-1] else ""
+    ax.set_title(f"eval: {name}{note}")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def eval_summary(records: Sequence[dict]) -> list[str]:
+    """First / last / best score of each eval set, one line each."""
+    lines = []
+    for name in eval_sets(records):
+        key = headline_eval_key(records, name)
+        series = _series(records, key) if key else None
+        if series is None:
+            continue
+        steps, values = series
+        best = int(np.nanargmax(values))
+        held = _series(records, f"eval/{name}/held_out")
+        note = "; not held out (the eval covers the task's whole problem space)" if held is not None and not held[1][-1] else ""
+        lines.append(
+            f"{key}: first {values[0]:.4f} (step {steps[0]}) -> last {values[-1]:.4f} (step {steps[-1]}), "
+            f"best {values[best]:.4f} (step {steps[best]}){note}"
+        )
+    return lines
+
+
 def summarize(records: Sequence[dict], k: int = 10) -> str:
     """One short paragraph: steps logged, first-k vs last-k mean reward, mean step time."""
     if not records:
@@ -141,6 +204,10 @@ def summarize(records: Sequence[dict], k: int = 10) -> str:
     step_time = _series(records, "perf/step_time")
     if step_time is not None:
         lines.append(f"perf/step_time: mean {np.nanmean(step_time[1]):.3f} s")
+    eval_time = _series(records, "perf/eval_time")
+    if eval_time is not None:
+        lines.append(f"perf/eval_time: {len(eval_time[1])} evals, {np.nansum(eval_time[1]):.1f} s in all")
+    lines += eval_summary(records)
     return "\n".join(lines)
 
 
@@ -155,14 +222,21 @@ def write_report(run_dir: str | Path, k: int = 10, smooth: int = 10) -> Path:
     records = read_metrics(metrics_path)
 
     # A bare Figure (no pyplot) renders through Agg without touching the global backend.
-    fig = Figure(figsize=(16, 9), layout="constrained")
-    axes = fig.subplots(2, 3)
+    names = eval_sets(records)
+    eval_rows = -(-len(names) // 3)
+    fig = Figure(figsize=(16, 9 + 4.5 * eval_rows), layout="constrained")
+    axes = fig.subplots(2 + eval_rows, 3, squeeze=False)
     _line_panel(axes[0, 0], records, ["reward/mean"], "reward (mean)", smooth=smooth)
     _line_panel(axes[0, 1], records, ["actor/pg_loss", "actor/loss"], "policy loss")
     _line_panel(axes[0, 2], records, ["actor/kl"], "KL to reference")
     _line_panel(axes[1, 0], records, ["actor/entropy"], "entropy")
     _step_time_panel(axes[1, 1], records)
     _throughput_panel(axes[1, 2], records)
+    for i, ax in enumerate(axes[2:].flat):
+        if i < len(names):
+            _eval_panel(ax, records, names[i], smooth)
+        else:
+            ax.set_visible(False)
     fig.suptitle(f"{run_dir.name}: {len(records)} steps")
 
     out = run_dir / "report.png"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-from typing import get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 from slipstream.config import schema
 
@@ -28,7 +28,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_name(tp) -> str:
-    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return str(tp).replace("typing.", "").replace("slipstream.config.schema.", "").replace("<class '", "").replace("'>", "")
 
 
 def render_reference() -> str:
@@ -45,7 +45,21 @@ def render_reference() -> str:
         cls = get_type_hints(schema.Config)[section.name]
         lines += [f"## `{section.name}` — {inspect.getdoc(cls)}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         lines += _rows(cls, getattr(root, section.name), section.name)
+        hints = get_type_hints(cls)
+        named = []  # dict[str, Dataclass] fields: one table of the sub-section's keys after this one
+        for f in dataclasses.fields(cls):
+            args = get_args(hints[f.name])
+            if get_origin(hints[f.name]) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+                named.append((f"{section.name}.{f.name}.<name>", args[1]))
         lines.append("")
+        for prefix, sub in named:
+            sub_docs, sub_hints, sub_defaults = field_docs(sub), get_type_hints(sub), sub()
+            lines += [f"### `{prefix}` — {inspect.getdoc(sub)}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+            for f in dataclasses.fields(sub):
+                typ = _type_name(sub_hints[f.name]).replace("|", "\\|")
+                default = getattr(sub_defaults, f.name)
+                lines.append(f"| `{prefix}.{f.name}` | `{typ}` | `{default!r}` | {sub_docs.get(f.name, '')} |")
+            lines.append("")
     return "\n".join(lines)
 
 

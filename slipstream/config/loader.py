@@ -184,6 +184,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} must be a mapping, got {value!r}")
+        item_tp = get_args(tp)[1] if get_args(tp) else None
+        if dataclasses.is_dataclass(item_tp):  # named sub-sections, e.g. eval.sets.<name>
+            return {str(k): build(item_tp, v or {}, prefix=f"{key}.{k}.") for k, v in value.items()}
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):

@@ -35,9 +35,9 @@ class DataSection:
     """Where prompts come from."""
 
     source: str = "task:sum-mod10"
-    """"task:<name>" for a built-in procedural task, or a .jsonl / .parquet file or a `datasets` save_to_disk dir."""
+    """"task:<name>" (built-in procedural task), "rg:<dataset>" or "rg:mix:<a>=<w>,<b>=<w>" (reasoning-gym), or a .jsonl / .parquet file or a `datasets` save_to_disk dir."""
     task_params: dict = field(default_factory=dict)
-    """Keyword arguments of the procedural task (e.g. {digits: 2} for arithmetic)."""
+    """Keyword arguments of the procedural task (e.g. {digits: 2} for arithmetic; for rg:mix, one mapping per dataset name)."""
     num_task_prompts: int = 4096
     """How many prompts a procedural task generates per epoch."""
     prompt_key: str = "prompt"
@@ -52,6 +52,8 @@ class DataSection:
     """What to do with a malformed row: report it with file and line, then skip it or stop."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle of the prompts."""
+    max_prompt_length: int | None = None
+    """Drop (and count as data/filtered_prompts) prompts longer than this many tokens; None keeps all."""
 
 
 @dataclass
@@ -101,7 +103,7 @@ class RewardSection:
     """Scoring of completions."""
 
     functions: list[str] = field(default_factory=list)
-    """Reward names (math, exact, format, countdown) or custom "module:function" / "file.py:function"; empty: the task's own reward, or math for datasets."""
+    """Reward names (math, exact, format, countdown, rg) or custom "module:function" / "file.py:function"; empty: the task's own reward, or math for datasets."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty means all 1.0."""
     num_workers: int = 1
@@ -112,6 +114,8 @@ class RewardSection:
     """A reward that raises or hangs: score `error_score` and log one line per step ("zero"), or stop the run ("raise")."""
     error_score: float = 0.0
     """Score given to a completion whose reward raised or timed out."""
+    extract: Literal["auto", "tag", "boxed", "last_line", "last_number"] = "auto"
+    """Where math, countdown and rg read the answer: the last <answer> tag, \\boxed{}, last line or last number; auto: tag, else boxed, else last line."""
     disable_after: int = 3
     """Disable a function that timed out on every call for this many steps in a row (it drops out of the sum, with a message; 0: never)."""
 
@@ -317,6 +321,50 @@ class LoggingSection:
 
 
 @dataclass
+class EvalSetSection:
+    """One eval set, `eval.sets.<name>`; its metrics are eval/<name>/..."""
+
+    source: str | None = None
+    """Data source as in data.source (task:..., rg:..., a file); None: data.source."""
+    task_params: dict | None = None
+    """Parameters of a procedural source; None: data.task_params when the source is data.source, else none."""
+    size: int = 200
+    """Distinct problems in the set; a procedural source with fewer distinct problems gives all it has (not held out)."""
+    seed: int = 1
+    """Seed of the set's draws: procedural sources draw from their own seed range, files take `size` rows in this seeded order."""
+    prompt_template: str | None = None
+    """Template of the set's prompts; None: data.prompt_template."""
+    reward: list[str] = field(default_factory=list)
+    """Reward that decides correctness; empty: the source task's own (rg, math, exact, countdown), math for files."""
+    extract: Literal["auto", "tag", "boxed", "last_line", "last_number"] | None = None
+    """Where the set's reward reads the answer; None: reward.extract (two sets of one seed score the same problems two ways)."""
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation on the rollout engine: before training, every N steps and at the end."""
+
+    sets: dict[str, EvalSetSection] = field(default_factory=dict)
+    """Eval sets by name; each problem is also kept out of the training stream (by a hash of its prompt)."""
+    every_steps: int = 0
+    """Evaluate after every N training steps (0: only before training and after the last step)."""
+    before_training: bool = True
+    """Evaluate the initial policy before the first step (the baseline)."""
+    greedy: bool = True
+    """One greedy completion per problem: eval/<set>/accuracy."""
+    n: int = 0
+    """Sampled completions per problem (0: none): eval/<set>/mean@n, pass@k, maj@n."""
+    pass_k: list[int] = field(default_factory=list)
+    """k of eval/<set>/pass@k (unbiased estimator, each 1 <= k <= n); empty: 1 and n."""
+    temperature: float | None = None
+    """Temperature of the n sampled completions; None: rollout.temperature."""
+    max_new_tokens: int | None = None
+    """Generation budget of eval completions; None: rollout.max_new_tokens."""
+    correct_threshold: float = 1.0
+    """A completion counts as correct when its eval reward is at least this."""
+
+
+@dataclass
 class Config:
     """A whole slipstream run."""
 
@@ -338,6 +386,8 @@ class Config:
     """Rollout / trainer placement over processes."""
     logging: LoggingSection = field(default_factory=LoggingSection)
     """Metric sinks."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Held-out evaluation."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -363,6 +413,8 @@ def check_config(cfg: Config) -> None:
             "trainer.keep_last": cfg.trainer.keep_last,
             "logging.log_every": cfg.logging.log_every,
             "data.num_task_prompts": cfg.data.num_task_prompts,
+            "data.max_prompt_length": cfg.data.max_prompt_length,
+            "eval.max_new_tokens": cfg.eval.max_new_tokens,
         }),
         ">= 0": (lambda v: v >= 0, {
             "reward.num_workers": rw.num_workers,
@@ -377,6 +429,8 @@ def check_config(cfg: Config) -> None:
             "trainer.max_staleness": cfg.trainer.max_staleness,
             "placement.rollout_ranks": cfg.placement.rollout_ranks,
             "algo.dynamic_sampling_max_prompts": a.dynamic_sampling_max_prompts,
+            "eval.every_steps": cfg.eval.every_steps,
+            "eval.n": cfg.eval.n,
         }),
         "> 0": (lambda v: v > 0, {
             "actor.lr": cfg.actor.lr,
@@ -433,5 +487,25 @@ def check_config(cfg: Config) -> None:
             )
     if len(cfg.actor.betas) != 2:
         raise ValueError(f"actor.betas must have two values, got {cfg.actor.betas}")
+    check_eval(cfg)
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
         raise ValueError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {cfg.trainer.device!r}")
+
+
+def check_eval(cfg: Config) -> None:
+    """The eval section's cross-field checks."""
+    ev = cfg.eval
+    for name, spec in ev.sets.items():
+        if not name or "/" in name:
+            raise ValueError(f"eval.sets: a set's name becomes a metric key eval/<name>/...; {name!r} must be non-empty without '/'")
+        if spec.size < 1:
+            raise ValueError(f"eval.sets.{name}.size must be >= 1, got {spec.size}")
+    if ev.sets and not ev.greedy and ev.n == 0:
+        raise ValueError("eval.greedy=false and eval.n=0 leave nothing to evaluate: set eval.greedy=true or eval.n > 0")
+    if ev.pass_k and ev.n == 0:
+        raise ValueError(f"eval.pass_k={ev.pass_k} needs sampled completions: set eval.n >= {max(ev.pass_k)}")
+    bad = [k for k in ev.pass_k if not 1 <= k <= ev.n]
+    if bad:
+        raise ValueError(f"eval.pass_k entries must be in 1..eval.n={ev.n}, got {bad}")
+    if ev.temperature is not None and ev.temperature <= 0:
+        raise ValueError(f"eval.temperature must be > 0 (greedy is eval.greedy), got {ev.temperature}")

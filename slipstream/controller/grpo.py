@@ -34,10 +34,12 @@ from slipstream.controller.placement import Placement, RemoteRollout, RolloutWor
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.run_dir import open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
+from slipstream.controller.watch import TruncationWatch
 from slipstream.engine.distributed import all_reduce_
 from slipstream.engine.distributed import rank as dp_rank
 from slipstream.engine.distributed import world_size as dp_world_size
 from slipstream.engine.factory import build_engine
+from slipstream.eval import EvalSchedule, Evaluator, build_eval_sets, excluded_hashes, format_eval
 from slipstream.logging import MetricsLogger
 from slipstream.models import hf
 from slipstream.perf.mfu import device_peak_flops
@@ -127,8 +129,22 @@ class RLTrainer:
         else:  # the rollout ranks generate; this side broadcasts weights and receives batches
             self.rollout = RemoteRollout(placement, self.device)
         self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
-        self.prompts = PromptSource(cfg, self.tokenizer)
+        # eval problems are fixed first: the training stream skips every held-out one
+        self.eval_sets = build_eval_sets(cfg, self.tokenizer)
+        self.prompts = PromptSource(cfg, self.tokenizer, exclude=excluded_hashes(self.eval_sets))
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
+        self.evaluator = None
+        if self.eval_sets and placement is not None:
+            raise ValueError("eval sets with placement.rollout_ranks are not supported yet (the trainer ranks hold no "
+                             "rollout engine); set eval.sets={} or run colocated")  # fmt: skip
+        if self.eval_sets:
+            self.evaluator = Evaluator.build(
+                cfg, self.tokenizer, self.rollout, self.eval_sets, list(self.sampling.stop_token_ids),
+                train_rewards=self.rewards, train_functions=self.prompts.reward_functions(),
+                rank=self.dp_rank, world=self.dp_size,
+            )  # fmt: skip
+        self.eval_schedule = EvalSchedule(cfg.eval.every_steps, cfg.eval.before_training, cfg.trainer.total_steps)
+        self.truncation = TruncationWatch(cfg.rollout.max_new_tokens)
         peak_flops = device_peak_flops(
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
         )
@@ -190,8 +206,12 @@ class RLTrainer:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self._eval_due():  # the baseline before training (its own record, at step 0)
+                self.logger.log(self.step_num, self.evaluate())
             while self.step_num < self.cfg.trainer.total_steps and not self._any_rank(stop_requested):
                 metrics = self.step()
+                if self._eval_due():  # after the step's weight sync: the rollout holds this policy
+                    metrics.update(self.evaluate())
                 self.logger.log(self.step_num, metrics)
                 every = self.cfg.trainer.save_every
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
@@ -212,6 +232,8 @@ class RLTrainer:
                 signal.signal(sig, handler)
             self.loop.close()
             self.logger.close()
+            if self.evaluator is not None:
+                self.evaluator.close(keep=self.rewards)
             self.rewards.close()
         if self._any_rank(stop_requested):
             latest = self.checkpoints.latest()
@@ -252,12 +274,32 @@ class RLTrainer:
         """One step of the loop; afterwards the policy (and the rollout's weights) are version step_num."""
         metrics = self.loop.step(self.step_num)
         self.step_num += 1
+        metrics.update(self.prompts.metrics())
+        self.truncation.update(self.step_num, metrics)
+        return metrics
+
+    def _eval_due(self) -> bool:
+        return self.evaluator is not None and self.eval_schedule.due(self.step_num)
+
+    def evaluate(self) -> dict[str, float]:
+        """Eval metrics of the current policy (eval/<set>/..., perf/eval_time); the schedule marks this step done.
+
+        Its time is its own phase: it is not part of perf/step_time, the throughput figures or the
+        wait ratios, which the loop measured before.
+        """
+        with self.loop.paused():
+            metrics = self.evaluator.run()
+        self.eval_schedule.last_step = self.step_num
+        if self.rank == 0:
+            log.info("%s", format_eval(self.step_num, metrics, self.eval_sets))
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
-                 "loop": self.loop.state_dict(self.step_num), "config": asdict(self.cfg)}
+        state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
+                 "loop": self.loop.state_dict(self.step_num), "eval": self.eval_schedule.state_dict(),
+                 "config": asdict(self.cfg)}
         barrier = torch.distributed.barrier if self.world > 1 else None
         path = self.checkpoints.save(self.step_num, self.engine.save, state, rank=self.rank, barrier=barrier)
         if self.rank == 0:
@@ -273,6 +315,8 @@ class RLTrainer:
         self.prompts.load_state_dict(state["data"])
         self.rollout.load_state_dict(state["rollout"])
         self.loop.load_state_dict(state.get("loop", {}))
+        if "eval" in state:  # checkpoints from before evals continue the schedule from here
+            self.eval_schedule.load_state_dict(state["eval"])
         self.step_num = self._saved_step = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
 

@@ -13,6 +13,8 @@ and `perf/rollout_wait_ratio` (the rollout engine's).
 
 from __future__ import annotations
 
+import contextlib
+
 from slipstream.controller.producer import RolloutProducer
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import Stages, rollout_oom_advice
@@ -86,6 +88,10 @@ class SyncLoop:
     def close(self) -> None:
         pass
 
+    def paused(self):
+        """The rollout engine, idle, for another user (an eval); the sync loop's is idle between steps."""
+        return contextlib.nullcontext()
+
 
 class AsyncLoop:
     """One step of the trainer per call; the rollout runs ahead in a producer thread."""
@@ -147,6 +153,11 @@ class AsyncLoop:
     def load_state_dict(self, state: dict) -> None:
         self._resume_position = state.get("resume_position")
 
+    def paused(self):
+        """The rollout engine, idle, for another user (an eval): the producer finishes what is in flight
+        and starts nothing until the block ends."""
+        return self.producer.paused() if self.producer is not None else contextlib.nullcontext()
+
     def close(self) -> None:
         if self.producer is not None:
             self.producer.stop()
@@ -206,3 +217,6 @@ class DisaggregatedLoop:
 
     def close(self) -> None:
         pass
+
+    def paused(self):
+        return contextlib.nullcontext()

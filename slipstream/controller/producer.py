@@ -17,6 +17,7 @@ takes its place, so batch j is always full of groups with a learning signal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +64,7 @@ class RolloutProducer:
         self.idle_s = 0.0  # producer time with nothing to do (throttled by the staleness bound, or no prompts)
         self.error: BaseException | None = None
         self._stop = False
+        self._pause = False
         self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
@@ -94,6 +96,26 @@ class RolloutProducer:
         }
         return [s for g in groups for s in g], metrics
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the engine idle (in-flight work finished, no batch started) for another user: an eval."""
+        with self.cond:
+            self._pause = True
+        while True:
+            with self.cond:
+                if self.error is not None:
+                    raise RuntimeError("the rollout producer failed") from self.error
+                if not self.stages.rollout.has_work:
+                    break
+                self.cond.wait(timeout=0.05)
+        try:
+            with self.engine_lock:
+                yield
+        finally:
+            with self.cond:
+                self._pause = False
+                self.cond.notify_all()
+
     def update_weights(self, named_tensors, version: int) -> None:
         """Copy new weights into the engine between two engine steps; admit the batches version allows."""
         with self.engine_lock:
@@ -114,7 +136,7 @@ class RolloutProducer:
                 with self.cond:
                     if self._stop:
                         return
-                    start_batch = self.next_batch <= self.trainer_version + self.max_staleness
+                    start_batch = not self._pause and self.next_batch <= self.trainer_version + self.max_staleness
                 if start_batch:
                     self._start_batch()
                     continue
@@ -125,7 +147,7 @@ class RolloutProducer:
                     continue
                 with self.cond:  # throttled: wait for the next weight sync (or stop)
                     started = time.perf_counter()
-                    while not self._stop and self.next_batch > self.trainer_version + self.max_staleness:
+                    while not self._stop and (self._pause or self.next_batch > self.trainer_version + self.max_staleness):
                         self.cond.wait()
                     self.idle_s += time.perf_counter() - started
         except BaseException as err:  # surfaced to the trainer thread by take()

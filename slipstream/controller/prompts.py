@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from slipstream.config.schema import Config
 from slipstream.data.dataset import PromptDataset
 from slipstream.data.formatting import render_prompt
+from slipstream.data.heldout import prompt_hash
 from slipstream.data.sources import load_prompts
-from slipstream.data.tasks import get_task
+from slipstream.data.tasks import is_procedural, make_task
 from slipstream.models.tokenizer import encode_prompt
+
+# Skipped prompts in a row (too long, or held out for eval) after which the stream gives up.
+_MAX_CONSECUTIVE_SKIPS = 10_000
 
 
 @dataclass(frozen=True)
@@ -22,17 +26,28 @@ class TokenizedPrompt:
 
 
 class PromptSource:
-    """Hands out `rollout.prompts_per_step` tokenized prompts per step and resumes exactly."""
+    """Hands out `rollout.prompts_per_step` tokenized prompts per step and resumes exactly.
 
-    def __init__(self, cfg: Config, tokenizer) -> None:
+    Prompts whose hash is in `exclude` (the eval problems) and prompts longer than
+    data.max_prompt_length tokens are skipped and counted; the stream position counts them too,
+    so a resumed run skips the same ones.
+    """
+
+    def __init__(self, cfg: Config, tokenizer, exclude: frozenset[str] = frozenset()) -> None:
         data = cfg.data
         self.tokenizer = tokenizer
         self.template = data.prompt_template
         self.use_chat_template = cfg.model.use_chat_template
         self.batch_size = cfg.rollout.prompts_per_step
+        self.exclude = exclude
+        self.max_prompt_length = data.max_prompt_length
+        self.num_filtered = 0
+        """Prompts dropped for being longer than data.max_prompt_length."""
+        self.num_held_out = 0
+        """Prompts skipped because they are eval problems."""
         self.task = None
-        if data.source.startswith("task:"):
-            self.task = get_task(data.source.removeprefix("task:"), **data.task_params)
+        if is_procedural(data.source):
+            self.task = make_task(data.source, data.task_params)
             self.dataset = PromptDataset(self.task, seed=data.shuffle_seed, epoch_size=data.num_task_prompts)
         else:
             records = load_prompts(
@@ -47,18 +62,42 @@ class PromptSource:
         return self._reward_functions
 
     def next_batch(self) -> list[TokenizedPrompt]:
-        start = self.dataset.position
-        records = next(self.dataset.batches(self.batch_size))
-        out = []
-        for index, record in enumerate(records, start):
-            rendered = render_prompt(record, self.template)
-            ids = encode_prompt(self.tokenizer, rendered, use_chat_template=self.use_chat_template)
-            text = rendered if isinstance(rendered, str) else self.tokenizer.decode(ids)
-            out.append(TokenizedPrompt(prompt_ids=list(ids), prompt_text=text, answer=record.answer, index=index))
+        out: list[TokenizedPrompt] = []
+        skipped = 0
+        while len(out) < self.batch_size:
+            index = self.dataset.position
+            record = self.dataset.record_at(index)
+            self.dataset.position += 1
+            if self.exclude and prompt_hash(record.prompt) in self.exclude:
+                self.num_held_out += 1
+                skipped += 1
+            else:
+                rendered = render_prompt(record, self.template)
+                ids = encode_prompt(self.tokenizer, rendered, use_chat_template=self.use_chat_template)
+                if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+                    self.num_filtered += 1
+                    skipped += 1
+                else:
+                    text = rendered if isinstance(rendered, str) else self.tokenizer.decode(ids)
+                    out.append(TokenizedPrompt(prompt_ids=list(ids), prompt_text=text, answer=record.answer, index=index))
+                    skipped = 0
+            if skipped >= _MAX_CONSECUTIVE_SKIPS:
+                raise ValueError(
+                    f"{skipped} prompts in a row were skipped ({self.num_filtered} so far longer than "
+                    f"data.max_prompt_length={self.max_prompt_length}, {self.num_held_out} held out as eval problems): "
+                    "raise data.max_prompt_length, or make the eval sets smaller than the task's problem space"
+                )
         return out
 
+    def metrics(self) -> dict[str, float]:
+        """Counts of skipped prompts since the start of the run."""
+        return {"data/filtered_prompts": float(self.num_filtered), "data/eval_prompts_skipped": float(self.num_held_out)}
+
     def state_dict(self) -> dict:
-        return self.dataset.state_dict()
+        return {**self.dataset.state_dict(), "num_filtered": self.num_filtered, "num_held_out": self.num_held_out}
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
+        # absent from checkpoints written before the counters existed
+        self.num_filtered = int(state.get("num_filtered", 0))
+        self.num_held_out = int(state.get("num_held_out", 0))

@@ -21,6 +21,7 @@ from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
 from slipstream.models.tokenizer import build_char_tokenizer, build_id_tokenizer, load_tokenizer
 from slipstream.models.transformer import Transformer
+from slipstream.rewards.registry import with_extract
 from slipstream.rewards.runner import RewardRunner
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.builtin import BuiltinRollout
@@ -131,8 +132,9 @@ def build_sampling(cfg: Config, tokenizer, model_cfg: ModelConfig) -> SamplingPa
 
 def build_rewards(cfg: Config, functions: list[str]) -> RewardRunner:
     """The reward worker pool over `functions` (weights from reward.weights, 1.0 each by default)."""
+    specs = [with_extract(f, cfg.reward.extract) for f in functions]
     return RewardRunner(
-        list(zip(functions, cfg.reward.weights or [1.0] * len(functions))),
+        list(zip(specs, cfg.reward.weights or [1.0] * len(functions))),
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         on_error=cfg.reward.on_error,

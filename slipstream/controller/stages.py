@@ -204,6 +204,7 @@ class Stages:
             "rollout/response_len_mean": float(resp.mean()),
             "rollout/response_len_max": float(resp.max()),
             "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/policy_version": float(versions.min()),
             **{f"reward/{name}": sum(v) / len(v) for name, v in per_fn.items() if len(v) == len(samples)},
         }

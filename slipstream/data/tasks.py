@@ -184,3 +184,19 @@ def get_task(name: str, **params) -> Task:
     if unknown:
         raise ValueError(f"task {name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(allowed)}")
     return cls(**params)
+
+
+def is_procedural(source: str) -> bool:
+    """True for a data source that generates prompts from a seed ("task:<name>", "rg:...")."""
+    return source.startswith(("task:", "rg:"))
+
+
+def make_task(source: str, params: dict) -> Task:
+    """The procedural task of a data source: "task:<name>" (built in) or "rg:<dataset>" / "rg:mix:..." (reasoning-gym)."""
+    if source.startswith("task:"):
+        return get_task(source.removeprefix("task:"), **params)
+    if source.startswith("rg:"):
+        from slipstream.data.reasoning_gym import RGTask  # reasoning-gym itself is imported only when used
+
+        return RGTask(source, dict(params))
+    raise ValueError(f"{source!r} is not a procedural source (task:<name> or rg:<dataset>)")

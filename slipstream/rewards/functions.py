@@ -12,51 +12,31 @@ import json
 import re
 from fractions import Fraction
 
+from slipstream.rewards.extract import extract_answer, extract_boxed, extract_last_number, extract_tag
+
 # ---------------------------------------------------------------------------------------------
 # Answer extraction and normalisation (math)
 # ---------------------------------------------------------------------------------------------
 
-# A number as written in prose: a fraction "3/4", a thousands-grouped "1,234.5", or a plain
-# "-12", "0.5", ".5". Alternation order matters: the longest forms must be tried first.
-_NUMBER_RE = re.compile(
-    r"-?\d+(?:\.\d+)?\s*/\s*-?\d+(?:\.\d+)?"  # fraction
-    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"  # 1,234,567.89
-    r"|-?(?:\d+(?:\.\d*)?|\.\d+)"  # plain int / decimal
-)
 _LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in `text` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        i = start + len("\\boxed{")
-        depth = 1
-        for j in range(i, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i:j]
-        # Unbalanced (e.g. the completion was cut off inside the box): try an earlier box.
-        start = text.rfind("\\boxed{", 0, start)
-    return None
+def extract_math_answer(completion: str, how: str = "auto") -> str | None:
+    """The final answer of a math completion: the last \\boxed{} in the answer span, else its last number.
 
-
-def extract_last_number(text: str) -> str | None:
-    """The last number in `text` (fractions, decimals, thousands commas, negatives), or None."""
-    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
-    return matches[-1] if matches else None
-
-
-def extract_math_answer(completion: str) -> str | None:
-    """The final answer of a math completion: last \\boxed{} if any, else the last number."""
-    boxed = extract_boxed(completion)
+    The span is the whole completion for `how="auto"` without <answer> tags, else what
+    `extract_answer(completion, how)` returns (tag content, box content or the last line).
+    """
+    span = extract_tag(completion) if how == "auto" else extract_answer(completion, how)
+    if span is None:
+        if how != "auto":
+            return None
+        span = completion
+    boxed = extract_boxed(span)
     if boxed is not None:
         return boxed
-    return extract_last_number(completion)
+    return extract_last_number(span)
 
 
 def normalize_math_answer(text: str) -> str:
@@ -107,10 +87,10 @@ def _ground_truth(answer: str | None, reward_name: str) -> str:
     return boxed if boxed is not None else answer
 
 
-def math_reward(completion: str, answer: str | None, prompt: str = "") -> float:
-    """1.0 when the completion's final answer (last \\boxed{} or last number) equals `answer`."""
+def math_reward(completion: str, answer: str | None, prompt: str = "", extract: str = "auto") -> float:
+    """1.0 when the completion's final answer (last \\boxed{} or last number of the answer span) equals `answer`."""
     truth = _ground_truth(answer, "math")
-    predicted = extract_math_answer(completion)
+    predicted = extract_math_answer(completion, extract)
     if predicted is None:
         return 0.0
     return 1.0 if math_answers_equal(predicted, truth) else 0.0
@@ -150,7 +130,6 @@ def format_reward(
 # Countdown: combine the given numbers with + - * / (each exactly once) to reach the target
 # ---------------------------------------------------------------------------------------------
 
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", flags=re.DOTALL)
 _BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
@@ -177,23 +156,16 @@ def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
     raise ValueError(f"unsupported expression element {type(node).__name__}")
 
 
-def extract_countdown_expression(completion: str) -> str | None:
-    """Expression in the last <answer>...</answer> (else last \\boxed{}, else last line), lhs of '='."""
-    tags = _ANSWER_TAG_RE.findall(completion)
-    if tags:
-        expr = tags[-1]
-    else:
-        expr = extract_boxed(completion)
-        if expr is None:
-            lines = [line for line in completion.strip().splitlines() if line.strip()]
-            if not lines:
-                return None
-            expr = lines[-1]
+def extract_countdown_expression(completion: str, how: str = "auto") -> str | None:
+    """Expression in the answer span (auto: last <answer>...</answer>, else last \\boxed{}, else last line), lhs of '='."""
+    expr = extract_answer(completion, how)
+    if expr is None:
+        return None
     expr = expr.split("=")[0].replace("\u00d7", "*").replace("\u00f7", "/").replace("\u2212", "-")
     return expr.strip() or None
 
 
-def countdown_reward(completion: str, answer: str | None, prompt: str = "") -> float:
+def countdown_reward(completion: str, answer: str | None, prompt: str = "", extract: str = "auto") -> float:
     """1.0 when the expression uses each given number exactly once and evaluates to the target.
 
     `answer` is the JSON written by `countdown_answer` ({"numbers": [...], "target": int}).
@@ -202,7 +174,7 @@ def countdown_reward(completion: str, answer: str | None, prompt: str = "") -> f
         raise ValueError("the 'countdown' reward needs an answer with numbers and target, got None")
     spec = json.loads(answer)
     numbers, target = spec["numbers"], spec["target"]
-    expr = extract_countdown_expression(completion)
+    expr = extract_countdown_expression(completion, extract)
     if expr is None or len(expr) > 200:  # long inputs are never valid and would only cost time
         return 0.0
     try:

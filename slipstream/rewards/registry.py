@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence, Union
 
 from slipstream.rewards.functions import countdown_reward, exact_reward, format_reward, math_reward
+from slipstream.rewards.reasoning_gym import rg_reward
 
 RewardFn = Callable[[str, Union[str, None], str], Union[float, dict]]
 RewardSpec = Union[str, RewardFn]
@@ -22,8 +23,11 @@ REWARDS: dict[str, RewardFn] = {
     "exact": exact_reward,
     "format": format_reward,
     "countdown": countdown_reward,
+    "rg": rg_reward,
 }
 BUILTIN_REWARDS = frozenset(REWARDS)
+EXTRACTING_REWARDS = frozenset({"math", "countdown", "rg"})
+"""Built-in rewards that read the answer span of a completion (`reward.extract`)."""
 FILE_MODULE_PREFIX = "_slipstream_reward_"
 """Module-name prefix of reward files imported by path (see `_load_file_module`)."""
 
@@ -35,6 +39,14 @@ def register_reward(name: str, fn: RewardFn) -> None:
     if name in REWARDS and REWARDS[name] is not fn:
         raise ValueError(f"a different reward is already registered as {name!r}")
     REWARDS[name] = fn
+
+
+def with_extract(spec: RewardSpec, extract: str) -> RewardSpec:
+    """`spec` reading the answer with `extract` (reward.extract): a picklable partial of the built-in
+    math / countdown / rg reward when `extract` is not "auto"; any other spec unchanged."""
+    if extract == "auto" or not (isinstance(spec, str) and spec in EXTRACTING_REWARDS):
+        return spec
+    return functools.partial(REWARDS[spec], extract=extract)
 
 
 def _load_file_module(path: Path):
@@ -97,8 +109,9 @@ def reward_name(spec: RewardSpec) -> str:
     if isinstance(spec, str):
         # "path/to/file.py:fn" and "pkg.module:fn" are named "fn": metric keys stay short.
         return spec.rpartition(":")[2]
-    if isinstance(spec, functools.partial):
-        return reward_name(spec.func)
+    if isinstance(spec, functools.partial):  # e.g. with_extract's: keeps the registered name
+        registered = next((name for name, fn in REWARDS.items() if fn is spec.func), None)
+        return registered or reward_name(spec.func)
     return getattr(spec, "__name__", type(spec).__name__)
 
 

@@ -9,7 +9,10 @@ from slipstream.config import load_config
 from slipstream.controller.grpo import NonFiniteLoss, RLTrainer
 from slipstream.engine.local import OutOfMemory
 
-BASE = ["logging.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+BASE = [
+    "logging.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
+    "eval.sets={}",  # evals: test_eval_run.py
+]
 
 
 def _trainer(tmp_path, *extra):

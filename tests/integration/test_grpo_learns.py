@@ -18,6 +18,9 @@ def test_grpo_reward_rises(tmp_path):
     trainer = RLTrainer(cfg)
     trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["eval/sum/accuracy"] < 0.5  # the baseline eval, its own record
+    rows = rows[1:]
+    assert rows[-1]["eval/sum/accuracy"] > 0.5 and "perf/eval_time" in rows[-1]
     rewards = [r["reward/mean"] for r in rows]
     assert len(rewards) == 80
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10

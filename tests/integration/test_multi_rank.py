@@ -21,7 +21,7 @@ from slipstream.engine.distributed import destroy_distributed, free_port
 
 SMALL = (
     "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01", "algo.ppo_n_minibatches=2",
-    "logging.tensorboard=false", "trainer.save_every=2",
+    "logging.tensorboard=false", "trainer.save_every=2", "eval.sets={}",  # evals: test_two_ranks_agree_and_rank0_writes
 )  # fmt: skip
 SAME_ON_EVERY_RANK = ("reward/", "rollout/", "actor/")
 
@@ -59,8 +59,17 @@ def _agreed(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k.startswith(SAME_ON_EVERY_RANK)}
 
 
+# a held-out eval set: each rank evaluates every other problem, the results are gathered
+EVAL = ("data.task_params={num_terms: 2}", "eval.sets={sums: {size: 24}}", "eval.n=2")
+
+
 def test_two_ranks_agree_and_rank0_writes(tmp_path):
-    r0, r1 = _run(tmp_path, "a", 4)
+    r0, r1 = _run(tmp_path, "a", 4, SMALL + EVAL)
+    evals = [[{k: v for k, v in m.items() if k.startswith("eval/")} for m in r["metrics"]] for r in (r0, r1)]
+    assert evals[0] == evals[1] and evals[0][0]["eval/sums/num_problems"] == 24  # both ranks: the whole set
+    assert [m["step"] for m in r0["metrics"]] == [0, 1, 2, 3, 4]  # step 0: the eval before training
+    assert {"eval/sums/accuracy", "eval/sums/pass@2", "eval/sums/maj@2"} <= set(r0["metrics"][-1])
+    r0["metrics"], r1["metrics"] = r0["metrics"][1:], r1["metrics"][1:]
     assert len(r0["metrics"]) == len(r1["metrics"]) == 4
     for a, b in zip(r0["metrics"], r1["metrics"]):
         assert _agreed(a) == _agreed(b), a["step"]  # the same gathered samples, the same summed losses
@@ -71,7 +80,7 @@ def test_two_ranks_agree_and_rank0_writes(tmp_path):
     for name in r0["weights"]:
         assert torch.equal(r0["weights"][name], r1["weights"][name]), name
     run = tmp_path / "a"
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4  # rank 0 only
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 5  # rank 0 only
     step4 = run / "checkpoints" / "step_000004"
     assert (step4 / "trainer.pt").exists() and (step4 / "trainer_rank1.pt").exists()
     assert (run / "hf" / "config.json").exists()
@@ -85,7 +94,7 @@ REWARD = Path(__file__).resolve().parents[1] / "unit" / "rewards_fixtures.py"
 EQUIV = (
     "rollout.prompts_per_step=8", "rollout.group_size=3", "rollout.max_new_tokens=3", "algo.kl_coef=0.05",
     "algo.ppo_n_minibatches=2", "algo.ppo_epochs=2", "actor.max_tokens_per_mb=16", "logging.tensorboard=false",
-    "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]",
+    "trainer.export_hf=false", f"reward.functions=[{REWARD}:char_code_reward]", "eval.sets={}",
 )  # fmt: skip
 
 
@@ -117,7 +126,7 @@ def test_two_ranks_resume_exactly(tmp_path):
 
 
 def test_two_ranks_learn_the_demo(tmp_path):
-    r0, _ = _run(tmp_path, "demo", 120, ("logging.tensorboard=false", "trainer.export_hf=false"))
+    r0, _ = _run(tmp_path, "demo", 120, ("logging.tensorboard=false", "trainer.export_hf=false", "eval.sets={}"))
     rewards = [m["reward/mean"] for m in r0["metrics"]]
     assert sum(rewards[:10]) / 10 < 0.2
     assert sum(rewards[-10:]) / 10 > 0.8

@@ -18,7 +18,7 @@ def _run(run_dir, steps):
         [
             f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
             "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01",
-            "algo.ppo_n_minibatches=2", "trainer.export_hf=false",
+            "algo.ppo_n_minibatches=2", "trainer.export_hf=false", "eval.sets={}",  # evals: test_eval_run.py
         ],
     )
     RLTrainer(cfg).fit()
@@ -42,7 +42,7 @@ def test_interrupt_mid_step_finishes_the_step_then_saves(tmp_path, monkeypatch):
     cfg_overrides = [
         f"trainer.run_dir={tmp_path / 'b'}", "trainer.total_steps=4", "logging.tensorboard=false",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "algo.kl_coef=0.01",
-        "algo.ppo_n_minibatches=2", "trainer.export_hf=false",
+        "algo.ppo_n_minibatches=2", "trainer.export_hf=false", "eval.sets={}",
     ]
     trainer = RLTrainer(load_config("recipes/demo.yaml", cfg_overrides))
     real_optim_step = trainer.engine.optim_step

@@ -72,3 +72,11 @@ def test_version_and_help_texts(capsys):
         main(["bench", "train-step", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--warmup WARMUP untimed runs before the timed repeats" in help_text
+
+
+def test_eval_command_errors(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    assert "neither a run directory, a checkpoint directory nor a model path" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("trainer: {total_steps: 2}\n")
+    assert main(["eval", str(tmp_path)]) == 2  # a run directory without checkpoints
+    assert "has no checkpoint" in capsys.readouterr().err

@@ -304,3 +304,18 @@ def test_hanging_function_costs_one_timeout_per_batch_then_is_disabled(caplog):
     with RewardRunner(only_hanging, num_workers=1, timeout_s=0.3, disable_after=1) as runner:
         with pytest.raises(RewardError, match="every reward function is disabled"):
             runner.score(items[:2])
+
+
+def test_answer_extraction_modes():
+    from slipstream.rewards.extract import extract_answer
+
+    text = "I think <answer>41</answer>\nso \\boxed{42}\nThe answer is 43."
+    assert [extract_answer(text, how) for how in ("tag", "boxed", "last_line", "last_number", "auto")] == [
+        "41", "42", "The answer is 43.", "43", "41",
+    ]  # fmt: skip
+    assert extract_answer("no tags\n\n  final  \n") == "final"
+    assert extract_answer("   ") is None and extract_answer("x", "tag") is None
+    assert math_reward("The answer is 43.", "43", "", "last_line") == 1.0  # the last number of the last line
+    assert math_reward("<answer>41</answer> and 43", "41", "") == 1.0  # auto: the tag first
+    with pytest.raises(ValueError, match="answer extraction"):
+        extract_answer("x", "first_line")
