@@ -297,7 +297,6 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
-        state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
                  "loop": self.loop.state_dict(self.step_num), "eval": self.eval_schedule.state_dict(),
                  "config": asdict(self.cfg)}
         barrier = torch.distributed.barrier if self.world > 1 else None

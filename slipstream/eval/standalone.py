@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
 
 from slipstream.checkpoint.manager import STEP_DIR, CheckpointManager
 from slipstream.config.loader import load_config

@@ -25,7 +25,6 @@ from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.core import EngineCore, Request
 from slipstream.rollout.kv_cache import SLOT_ROUNDING, SlotCache, plan_slots
 from slipstream.rollout.model_runner import ModelRunner
-from slipstream.rollout.sampler import filter_logits, sample_tokens  # noqa: F401  (re-exported)
 
 
 class BuiltinRollout:

@@ -183,7 +183,8 @@ def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mo
     demo is learned, and in async mode (max_staleness 1) generation runs one version behind."""
     out = tmp_path / "out"
     out.mkdir()
-    extra = ("logging.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}", "trainer.max_staleness=1")
+    extra = ("logging.tensorboard=false", "trainer.export_hf=false", "eval.sets={}", f"trainer.mode={mode}",
+             "trainer.max_staleness=1")
     mp.spawn(_disaggregated_worker, args=(2, free_port(), str(tmp_path / "run"), 120, extra, str(out)), nprocs=2,
              join=True)  # fmt: skip
     trainer, rollout = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
