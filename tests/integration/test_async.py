@@ -32,7 +32,8 @@ def _record_batches(trainer: RLTrainer) -> list[tuple[int, list]]:
 def _run(trainer: RLTrainer, steps: int) -> list[dict]:
     metrics = []
     log = trainer.logger.log
-    trainer.logger.log = lambda step, m: (metrics.append(m), log(step, m))
+    # step rows only (the demo's eval records are logged too)
+    trainer.logger.log = lambda step, m: (metrics.append(m) if "reward/mean" in m else None, log(step, m))
     trainer.cfg.trainer.total_steps = steps
     trainer.fit()
     return metrics
