@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.abc
 import json
 import os
 import socket
@@ -43,9 +42,11 @@ from slipstream.models.hf import config_to_hf
 from slipstream.models.presets import get_preset
 from slipstream.perf.timers import repeat_timed
 
-HIDDEN_MODULES = ("trl",)
+HIDDEN_MODULES = ("trl", "kernels")
 """Hidden from verl in the subprocess: verl 0.9.1 pins trl==0.27 and, if trl is importable, patches
-trl's value-head class (critic only) with an import that trl 1.x (slipstream's TRL cell) lacks."""
+trl's value-head class (critic only) with an import that trl 1.x (slipstream's TRL cell) lacks; the
+site's transformers 5.10 registers hub kernels at import when `kernels` is importable, and
+kernels >= 0.19 rejects its registrations (no revision given)."""
 
 
 # ---------------------------------------------------------------- layout (no verl needed)
@@ -102,13 +103,13 @@ def verl_rollout_tensors(batch: PackedBatch, pad_token_id: int = 0) -> dict[str,
 # ---------------------------------------------------------------- the verl process
 
 
-class _Hide(importlib.abc.MetaPathFinder):
-    """Makes HIDDEN_MODULES unimportable (find_spec raises, as for a package that is not installed)."""
+def _hide_modules() -> None:
+    """Make HIDDEN_MODULES look not installed: `import` raises and importlib.util.find_spec says None.
 
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in HIDDEN_MODULES:
-            raise ModuleNotFoundError(f"{name} is hidden from verl in slipstream's verl runner")
-        return None
+    A None entry in sys.modules is Python's own "not importable" marker, which both honour.
+    """
+    for name in HIDDEN_MODULES:
+        sys.modules[name] = None  # type: ignore[assignment]
 
 
 def _init_single_process_group(device: torch.device) -> None:
@@ -259,7 +260,7 @@ def run(request: dict) -> dict:
     device = torch.device(settings["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    sys.meta_path.insert(0, _Hide())
+    _hide_modules()
     if device.type == "cpu":
         from slipstream.bench.peers.verl_cpu_platform import install_cpu_platform
 
