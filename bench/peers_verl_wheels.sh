@@ -18,7 +18,7 @@
 #   tensordict 0.10.0 (verl pins <=0.10) + orjson, pyvers<0.2, importlib_metadata;
 #   omegaconf 2.3 + antlr4-python3-runtime 4.9.3 (built here: PyPI has only its sdist); codetiming;
 #   dill, datasets, multiprocess (verl.protocol and verl.utils.dataset import them).
-# ray, uvicorn, fastapi and pydantic are NOT carried: slipstream/bench/peers/stubs has import-only
+# ray, uvicorn, fastapi and pydantic are NOT carried: slipstream/bench/peers/standin.py writes import-only
 # stand-ins for them (verl imports them at module load; the timed path never calls them).
 set -euo pipefail
 cd "$(dirname "$0")/.."

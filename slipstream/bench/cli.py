@@ -119,7 +119,8 @@ def run_train_step(args: argparse.Namespace) -> int:
 
 def run_matrix_command(args: argparse.Namespace) -> int:
     """Entry point of `slipstream bench matrix`."""
-    from slipstream.bench.matrix import load_spec, run_matrix
+    from slipstream.bench.matrix import run_matrix
+    from slipstream.bench.spec import load_spec
     from slipstream.bench.report import write_matrix_report
 
     results = args.out / "results.jsonl"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from slipstream.bench.matrix import read_rows
+from slipstream.bench.rows import read_rows
 
 PHASES = ("actor_train", "log_probs")
 _GIB_NONE = "-"

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from slipstream.bench import matrix
+from slipstream.bench import rows as matrix_rows
 from slipstream.bench.cli import add_bench_parser, run_matrix_command
-from slipstream.bench.matrix import (
-    FAIRNESS_KEYS, ROW_KEYS, CellSettings, load_spec, make_row, parse_spec, read_rows, run_matrix,
-)  # fmt: skip
+from slipstream.bench.matrix import make_row, run_matrix
+from slipstream.bench.rows import FAIRNESS_KEYS, ROW_KEYS, read_rows
+from slipstream.bench.settings import CellSettings
+from slipstream.bench.spec import load_spec, parse_spec
 from slipstream.bench.peers import install_command, peer_version
 from slipstream.bench.report import markdown_table, write_matrix_report
 from slipstream.bench.train_step import phase_stats
@@ -132,7 +134,7 @@ def test_rows_without_numbers_have_the_full_schema(tmp_path, monkeypatch):
     assert read_rows(out) == json.loads(json.dumps(rows))
     assert [r["status"] for r in rows] == ["not-applicable", "not-available"]
     for r in rows:
-        assert tuple(r) == ROW_KEYS and r["schema"] == matrix.SCHEMA
+        assert tuple(r) == ROW_KEYS and r["schema"] == matrix_rows.SCHEMA
         assert r["reason"] and r["phases"] == {} and r["metrics"] == {}
         # Everything not varied is in every row.
         assert r["held_constant"]["recompute"] == "selective" and r["held_constant"]["device"] == "cpu"
@@ -235,7 +237,7 @@ def test_resume_keeps_finished_cells_and_reruns_the_rest(tmp_path, monkeypatch):
 
 def test_noise_and_stats_by_hand():
     p = phase_stats([2.0, 1.0, 4.0], flops=6e12, tokens=300, peak_bytes=3 * 2**30, peak_flops=1e12)
-    (noisy,) = matrix.add_noise({"actor_train": p}).values()
+    (noisy,) = matrix_rows.add_noise({"actor_train": p}).values()
     assert (noisy["time_s"], noisy["time_min_s"], noisy["time_max_s"]) == (2.0, 1.0, 4.0)
     # exact arithmetic on given times: measured 0 (default rel 1e-6)
     assert noisy["rel_spread"] == pytest.approx((4.0 - 1.0) / 2.0)

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.bench.matrix import ROW_KEYS, load_spec, make_row, parse_spec, read_rows, run_matrix
+from slipstream.bench.matrix import make_row, run_matrix
+from slipstream.bench.rows import ROW_KEYS, read_rows
+from slipstream.bench.spec import load_spec, parse_spec
 from slipstream.bench.report import markdown_table, write_matrix_report
-from slipstream.bench.rl_step import CORE_METRICS, RLStepSettings, step_statistics
+from slipstream.bench.rl_step import CORE_METRICS, step_statistics
+from slipstream.bench.settings import RLStepSettings
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes" / "demo.yaml")

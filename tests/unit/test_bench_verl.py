@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from slipstream.bench import train_step as ts
-from slipstream.bench.matrix import CellSettings, VerlSettings, parse_spec
+from slipstream.bench.settings import CellSettings, VerlSettings
+from slipstream.bench.spec import parse_spec
 from slipstream.bench.naive import paired_models
 from slipstream.bench.peers import verl_adapter
+from slipstream.bench.peers.standin import write_standin_site
 from slipstream.bench.peers.verl_runner import verl_rollout_tensors
 from slipstream.bench.workloads import get_workload, make_lengths
 
@@ -104,12 +106,12 @@ def test_spec_verl_options(tmp_path):
         parse_spec(_spec(sitedir=str(site)))
 
 
-def test_standins_import_but_refuse_to_run():
+def test_standins_import_but_refuse_to_run(tmp_path):
     # In a subprocess: the stand-ins shadow real packages (pydantic) for the whole interpreter.
     code = """
 import ray, uvicorn, pydantic
 from ray.util.placement_group import placement_group
-from slipstream_standin import StandInUsed
+from slipstream.bench.peers.standin import StandInUsed
 
 @ray.remote
 class Actor: ...
@@ -127,9 +129,10 @@ for call in (lambda: ray.get(1), lambda: Actor.remote(), lambda: placement_group
     raise SystemExit("a stand-in ran")
 print("ok", ray.IS_SLIPSTREAM_STANDIN)
 """
-    packages = sorted(p.name for p in verl_adapter.STUBS_DIR.iterdir() if (p / "__init__.py").is_file())
-    assert packages == sorted(verl_adapter.STANDINS)  # the row lists exactly the stand-ins that exist
-    env = {**os.environ, "PYTHONPATH": str(verl_adapter.STUBS_DIR)}
+    site = write_standin_site(tmp_path / "standins")
+    packages = sorted(p.name for p in site.iterdir() if (p / "__init__.py").is_file())
+    assert packages == sorted(verl_adapter.STANDINS)  # the row lists exactly the stand-ins written
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(verl_adapter.SLIPSTREAM_ROOT)])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok True"

@@ -34,7 +34,7 @@ import torch
 from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
-from slipstream.bench.matrix import CellSettings, TrlSettings
+from slipstream.bench.settings import CellSettings, TrlSettings
 from slipstream.bench.naive import build_hf_model, paired_models
 from slipstream.bench.peers import missing_result, peer_version
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch

@@ -104,7 +104,8 @@ def run_trl_rl_step_cell(rl, settings, backend: str) -> dict:
         return missing_result("trl")
     import torch
 
-    from slipstream.bench.rl_step import cell_config, step_statistics
+    from slipstream.bench.rl_step import step_statistics
+    from slipstream.bench.spec import cell_config
 
     with tempfile.TemporaryDirectory(prefix="slipstream-trl-rl-step-") as tmp:
         cfg = cell_config(rl, settings, "local", f"{tmp}/run")

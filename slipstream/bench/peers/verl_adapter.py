@@ -4,7 +4,7 @@ Why a subprocess: verl 0.9.1 pins transformers<5.11 and tensordict<=0.10 (slipst
 transformers 5.17 on the GPU machine, 5.24 here), so verl lives in its own site directory
 (`bench/peers_verl_wheels.sh` builds it from wheels) named by `peers.verl.site_dir` or the
 environment variable SLIPSTREAM_VERL_SITE. verl_runner.py runs with PYTHONPATH =
-<site>:<stand-ins>:<repo root> and no other PYTHONPATH; slipstream's own cells never see it.
+<site>:<stand-ins>:<slipstream> and no other PYTHONPATH; slipstream's own cells never see it.
 
 What is timed (verl_runner.py; CUDA events, warm-up discarded, peak memory reset per call):
   actor_train  RayPPOTrainer._update_actor's body without Ray: the rollout-shaped DataProto ->
@@ -27,9 +27,10 @@ fused flash-attn cross-entropy is absent for the same reason, so log-probs use i
 log_softmax + gather fallback. AdamW lr 1e-6, weight decay 0.01, clip 1.0: verl's ppo_trainer.yaml.
 
 Environment workarounds, all listed in the row (impl.workarounds):
-  - import-only stand-ins (peers/stubs) for ray, uvicorn, fastapi and pydantic: verl imports them
-    at module load (protocol.py, single_controller, checkpoint_engine -> rollout utils) but the
-    timed path never calls them; any call or instantiation raises StandInUsed;
+  - import-only stand-ins (peers/standin.py, written into a temporary directory per run) for ray,
+    uvicorn, fastapi and pydantic: verl imports them at module load (protocol.py, single_controller,
+    checkpoint_engine -> rollout utils) but the timed path never calls them; any call or
+    instantiation raises StandInUsed;
   - trl hidden from the verl process (verl pins trl==0.27 and only patches a critic-side class);
   - rollout skipped: the pre-built batch stands in for verl's rollout output; RayPPOTrainer's
     bodies are replayed without Ray (they only convert the batch and call the worker).
@@ -49,17 +50,17 @@ from pathlib import Path
 import torch
 
 from slipstream.bench import train_step as ts
-from slipstream.bench.matrix import CellSettings, VerlSettings
+from slipstream.bench.settings import CellSettings, VerlSettings
 from slipstream.bench.peers import PEERS, missing_result
+from slipstream.bench.peers.standin import STANDINS, write_standin_site
 from slipstream.bench.workloads import Workload, seq_lens
 from slipstream.models.presets import get_preset
 from slipstream.perf.flops import forward_flops, train_flops
 
 SITE_ENV = "SLIPSTREAM_VERL_SITE"
 """Environment variable naming verl's site directory when the spec's peers.verl.site_dir is unset."""
-STUBS_DIR = Path(__file__).resolve().parent / "stubs"
-REPO_ROOT = Path(__file__).resolve().parents[3]
-STANDINS = ("ray", "uvicorn", "fastapi", "pydantic")
+SLIPSTREAM_ROOT = Path(__file__).resolve().parents[3]
+"""The directory holding the `slipstream` package (the repository, or site-packages when installed)."""
 
 MEGATRON_REASON = (
     "verl 0.9.1's Megatron engine cannot run on the GPU machine: MegatronEngine asserts use_mbridge=True and "
@@ -70,8 +71,8 @@ MEGATRON_REASON = (
     "transformers<5.9, flashinfer and nvidia-resiliency-ext)"
 )
 WORKAROUNDS = (
-    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (slipstream/bench/peers/stubs): imported at verl "
-    "module load, never called on the timed path (a call raises)",
+    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (slipstream/bench/peers/standin.py, written to a "
+    "temporary directory): imported at verl module load, never called on the timed path (a call raises)",
     "trl hidden from the verl process (verl 0.9.1 pins trl==0.27; it only patches a critic value-head class)",
     "rollout skipped: the pre-built batch stands in for verl's rollout output (left-padded prompts, right-padded "
     "responses)",
@@ -107,10 +108,10 @@ def resolve_site(verl: VerlSettings) -> tuple[Path | None, str | None]:
     return site, None
 
 
-def runner_env(site: Path) -> dict[str, str]:
-    """The subprocess environment: verl's site first, then the stand-ins, then slipstream; nothing inherited."""
+def runner_env(site: Path, standins: Path) -> dict[str, str]:
+    """The subprocess environment: verl's site first, then the stand-ins, then slipstream; no inherited PYTHONPATH."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(STUBS_DIR), str(REPO_ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(standins), str(SLIPSTREAM_ROOT)])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -120,8 +121,9 @@ def run_runner(request: dict, site: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="slipstream-verl-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
+        standins = write_standin_site(Path(tmp) / "standins")
         cmd = [sys.executable, "-m", "slipstream.bench.peers.verl_runner", "--request", str(req), "--out", str(out)]
-        proc = subprocess.run(cmd, env=runner_env(site), cwd=REPO_ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=runner_env(site, standins), cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             if "OutOfMemoryError" in proc.stderr:
