@@ -1,13 +1,15 @@
 """`slipstream bench matrix SPEC.yaml`: {workload} x {framework} x {backend} on identical work.
 
-A spec names workloads, frameworks and backends; every other setting (dtype, recompute,
-micro-batch token budget, repeats, ...) is held constant and copied into every result row,
-so a row read on its own says exactly what was measured. Each cell produces one JSON row:
+A spec (spec.py) names workloads, frameworks and backends; the settings it does not vary
+(dtype, recompute, micro-batch token budget, repeats, ...) are copied into every result row, and
+each row states its own engine, processes, compile, recompute, micro-batching and padding in its
+`fairness` dict, so a row read on its own says exactly what was measured. One JSON row per cell:
 
   slipstream x fsdp      bench_train_step(..., backend="fsdp") (the `bench train-step` numbers)
   slipstream x megatron  bench_train_step(..., backend="megatron") (megatron-core engine; compile not applied)
-  trl x fsdp             TRL's own GRPOTrainer loss path (peers/trl_adapter.py)
-  trl x megatron         status "not-applicable": TRL has no Megatron engine
+  naive x torch          the plain HF loop (naive.py): padded micro-batches, full fp32 logits
+  trl x accelerate       TRL's own GRPOTrainer loss path (peers/trl_adapter.py): transformers' Trainer on
+                         accelerate in one process (TRL has one engine, so it gets one row, never "fsdp")
   verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir (peers/verl_adapter.py);
                          "missing" without a verl site directory
   verl x megatron        status "not-available": verl's Megatron engine needs Transformer Engine
@@ -41,7 +43,10 @@ def held_constant(spec: MatrixSpec) -> dict:
     """The settings every row shares (not varied by the matrix), peers' settings included."""
     return {
         **dataclasses.asdict(spec.settings),
-        "peers": {"trl": dataclasses.asdict(spec.trl), "verl": dataclasses.asdict(spec.verl)},
+        "peers": {
+            "trl": dataclasses.asdict(spec.trl), "verl": dataclasses.asdict(spec.verl),
+            "naive": dataclasses.asdict(spec.naive),
+        },  # fmt: skip
         "frameworks": list(spec.frameworks),
         "backends": list(spec.backends),
     }
@@ -80,6 +85,10 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
         "phases": r["phases"],
         "micro_batches": r["micro_batches"],
         "fairness": {
+            "engine": "FSDP2 (fully_shard per block)" if backend == "fsdp"
+            else "megatron-core GPTModel (local layer spec), DDP + distributed optimizer",
+            "processes": r["config"]["num_ranks"],
+            "compile": "torch.compile per block" if compile else "no",
             "dtype": s.dtype,
             "params_dtype": (
                 ("bf16 params, fp32 main grads + fp32 master weights in the distributed optimizer" if backend == "megatron"
@@ -109,9 +118,11 @@ def run_cell(spec: MatrixSpec, w: Workload, framework: str, backend: str) -> dic
         return _rl_step_cell(spec, w, framework, backend)  # type: ignore[arg-type]  # w is the RLStepSettings
     if framework == "slipstream":
         return _slipstream_cell(w, s, backend)
+    if framework == "naive":
+        from slipstream.bench.naive import run_naive_cell
+
+        return run_naive_cell(w, s, spec.naive)
     if framework == "trl":
-        if backend == "megatron":
-            return {"status": "not-applicable", "reason": "TRL has no Megatron engine (it trains through accelerate)"}
         from slipstream.bench.peers.trl_adapter import run_trl_cell
 
         return run_trl_cell(w, s, spec.trl)

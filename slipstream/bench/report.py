@@ -1,8 +1,9 @@
 """Report of a benchmark matrix: a markdown table plus three PNGs, drawn from its results JSONL.
 
-  matrix.md      environment, held-constant settings, the result table (with real-token speed-up
-                 over the TRL cell of the same workload), unmeasured cells with their reasons,
-                 and the fairness checklist of every measured cell
+  matrix.md      environment, the result table (each row with its own engine, precision, compile,
+                 recompute, micro-batching and padding; real-token speed-up over the best TRL row of
+                 the same workload), unmeasured cells with their reasons, and the fairness
+                 checklist of every measured cell
   phases.png     time per phase (actor update stacked on the log-prob pass) per cell
   mfu.png        actor-update MFU per cell
   memory.png     peak memory of each phase per cell
@@ -33,35 +34,69 @@ def _fmt(value, spec: str) -> str:
 
 
 def _cell_label(row: dict) -> str:
-    return f"{row['workload']['name']}\n{row['framework']}-{row['backend']}"
+    return f"{row['workload']['name']}\n{row.get('label') or row['framework'] + '-' + row['backend']}"
+
+
+def best_rows(rows: Sequence[dict], framework: str) -> dict[str, dict]:
+    """Per workload, the measured row of `framework` with the highest real-token throughput."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["framework"] == framework and r["status"] == "ok":
+            name = r["workload"]["name"]
+            if name not in best or _tok_per_s(r) > _tok_per_s(best[name]):
+                best[name] = r
+    return best
+
+
+def _tok_per_s(row: dict) -> float:
+    return row["phases"]["actor_train"]["tok_per_s"]
 
 
 def _speedup_vs_trl(rows: Sequence[dict]) -> dict[str, float]:
-    """Real-token throughput of each measured cell over the TRL cell of the same workload."""
-    trl = {
-        r["workload"]["name"]: r["phases"]["actor_train"]["tok_per_s"]
-        for r in rows
-        if r["framework"] == "trl" and r["status"] == "ok"
-    }
+    """Real-token throughput of each measured cell over the best TRL row of the same workload."""
+    trl = {name: _tok_per_s(r) for name, r in best_rows(rows, "trl").items()}
     return {
-        r["cell"]: r["phases"]["actor_train"]["tok_per_s"] / trl[r["workload"]["name"]]
+        r["cell"]: _tok_per_s(r) / trl[r["workload"]["name"]]
         for r in rows
         if r["status"] == "ok" and r["workload"]["name"] in trl
     }
 
 
+def _same(rows: Sequence[dict], get) -> object | None:
+    """The value `get(row)` when every row has the same one, else None (then each row states its own)."""
+    values = {repr(get(r)) for r in rows}
+    return get(rows[0]) if len(values) == 1 else None
+
+
+def row_settings(r: dict) -> list[str]:
+    """A row's own settings as table cells: engine (processes), dtype / params, compile, recompute, micro-batching."""
+    f = r.get("fairness") or {}
+    engine = f"{r['backend']}: {f['engine']}" if f.get("engine") else r["backend"]
+    return [
+        f"{engine} ({f.get('processes', '?')} proc.)",
+        f"{f.get('dtype', '-')} / {f.get('params_dtype', '-')}",
+        str(f.get("compile", "-")),
+        str(f.get("recompute", "-")),
+        str(f.get("micro_batching", "-")),
+    ]
+
+
+SETTINGS_HEAD = "| engine (processes) | dtype / params | compile | recompute | micro-batching |"
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
-    """The matrix as markdown: header facts, result table, unmeasured cells, fairness checklist."""
+    """The matrix as markdown: header facts, result table (each row with its own settings), reasons, fairness."""
     if not rows:
         raise ValueError("no result rows to report")
     if rows[0]["mode"] == "rl-step":
         from slipstream.bench.rl_step import rl_step_markdown
 
         return "\n".join(rl_step_markdown(rows) + _unmeasured_and_fairness(rows)) + "\n"
-    env, held = rows[0]["env"], rows[0]["held_constant"]
+    env = rows[0]["env"]
     peers = env.get("peers", {})
     peer_text = ", ".join(f"{k} {v}" for k, v in peers.items() if v) or "none installed"
-    peak = held.get("peak_flops")
+    peak = _same(rows, lambda r: r["held_constant"].get("peak_flops"))
+    timing = _same(rows, lambda r: (r["held_constant"]["warmup"], r["held_constant"]["repeats"]))
     lines = [
         "# Benchmark matrix",
         "",
@@ -70,35 +105,40 @@ def markdown_table(rows: Sequence[dict]) -> str:
         f"- Peers: {peer_text}",
         f"- Commit: `{env.get('git_commit')}`; recorded {env.get('time')}",
         f"- Command: `{env.get('command')}`",
-        f"- Held constant: mode {held['mode']}, dtype {held['dtype']}, recompute {held['recompute']}, slipstream "
-        f"micro-batch budget {held['max_tokens_per_mb']} tokens, compile {held['compile']}, slipstream fsdp master "
-        f"weights {held.get('master_dtype', 'float32')}, warm-up {held['warmup']} "
-        f"+ {held['repeats']} timed repeats (median, min-max); TRL per_device_train_batch_size "
-        f"{held['peers']['trl']['per_device_train_batch_size']}, loss_type {held['peers']['trl']['loss_type']}",
+        "- Timing: " + (f"warm-up {timing[0]} + {timing[1]} timed repeats" if timing else "warm-up + repeats per row")
+        + " (median, min-max); each row states its own engine, precision, compile, recompute, micro-batching and "
+        "padding (details in the fairness checklist below)",
         f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (DESIGN.md); MFU against "
         f"{'an override peak of %.0f TFLOP/s' % (peak / 1e12) if peak else 'the datasheet dense bf16 peak'}; "
-        "noise = (max - min) / median of the actor update",
+        "noise = (max - min) / median of the actor update; vs TRL = real tok/s over the best TRL row of the "
+        "same workload",
         "",
-        "| workload | framework | backend | status | update s (min-max) | noise | real tok/s | vs TRL | TFLOP/s "
-        "| MFU | peak GiB | log-prob s | log-prob GiB | padding |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | framework | status " + SETTINGS_HEAD + " padding | update s (min-max) | noise | real tok/s "
+        "| vs TRL | TFLOP/s | MFU | peak GiB | log-prob s | log-prob GiB |",
+        "|---" * 18 + "|",
     ]
     speedup = _speedup_vs_trl(rows)
     for r in rows:
         wl = r["workload"]
-        head = f"| {wl['name']} ({wl['preset']}) | {r['framework']} | {r['backend']} | {r['status']} |"
+        head = f"| {wl['name']} ({wl['preset']}) | {r.get('label') or r['framework']} | {r['status']} |"
         if r["status"] != "ok":
-            lines.append(head + " - |" * 10)
+            lines.append(head + f" {r['backend']} |" + " - |" * 14)
             continue
         t, f = r["phases"]["actor_train"], r["phases"].get("log_probs")
         fair = r.get("fairness") or {}
         lines.append(
-            f"{head} {t['time_s']:.3f} ({t['time_min_s']:.3f}-{t['time_max_s']:.3f}) | {t['rel_spread']:.1%} "
+            head + "".join(f" {c} |" for c in row_settings(r))
+            + f" {_fmt(fair.get('padding_fraction'), '.1%')} "
+            f"| {t['time_s']:.3f} ({t['time_min_s']:.3f}-{t['time_max_s']:.3f}) | {t['rel_spread']:.1%} "
             f"| {t['tok_per_s']:,.0f} | {_fmt(speedup.get(r['cell']), '.2f')}x | {t['tflops']:.1f} "
             f"| {_fmt(t['mfu'], '.1%')} | {_fmt(t['peak_memory_gib'], '.1f')} "
-            f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} "
-            f"| {_fmt(fair.get('padding_fraction'), '.1%')} |"
+            f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} |"
         )
+    best = best_rows(rows, "trl")
+    if best:
+        lines += ["", "Best TRL row per workload: " + "; ".join(
+            f"{name}: `{r['cell']}` (recompute {r['fairness']['recompute']})" for name, r in best.items()
+        )]  # fmt: skip
     return "\n".join(lines + _unmeasured_and_fairness(rows)) + "\n"
 
 

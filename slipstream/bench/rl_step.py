@@ -16,9 +16,9 @@ steps. Only the backend (`actor.backend`) varies between the slipstream cells.
       warmup_steps: 1
       overrides: [rollout.max_new_tokens=4]
 
-Cells: slipstream x local|fsdp|megatron run (world size 1); trl x local|fsdp runs TRL's own
-GRPOTrainer.train() on the same recipe (slipstream/bench/peers/trl_rl_step.py; TRL has one
-engine, so both backend columns run the same TRL code); verl x * are explained rows.
+Cells: slipstream x local|fsdp|megatron run (world size 1); trl x accelerate runs TRL's own
+GRPOTrainer.train() on the same recipe once (slipstream/bench/peers/trl_rl_step.py; TRL has one
+engine); verl x * are explained rows.
 """
 
 from __future__ import annotations
@@ -156,6 +156,9 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
     ]  # fmt: skip
     a, r = cfg.actor, cfg.rollout
     fairness = {
+        "engine": {"local": "one process, no wrapper", "fsdp": "FSDP2 (fully_shard per block)",
+                   "megatron": "megatron-core DDP + distributed optimizer"}.get(backend, backend),  # fmt: skip
+        "processes": 1,
         "dtype": cfg.model.dtype,
         "attention_kernel": f"train: {kernel} over packed sequences (no padding)",
         "recompute": a.activation_checkpointing,

@@ -17,9 +17,10 @@ ROW_KEYS = (
     "held_constant", "phases", "metrics", "micro_batches", "fairness", "impl", "env",
 )  # fmt: skip
 FAIRNESS_KEYS = (
-    "dtype", "params_dtype", "attention_kernel", "recompute", "real_tokens", "padded_tokens",
-    "padding_fraction", "loss_normalisation", "optimizer", "micro_batching", "logprob_head",
+    "engine", "processes", "compile", "dtype", "params_dtype", "attention_kernel", "recompute", "real_tokens",
+    "padded_tokens", "padding_fraction", "loss_normalisation", "optimizer", "micro_batching", "logprob_head",
 )  # fmt: skip
+"""A train-step row's own settings (its `fairness` dict): each row states them, no table header does."""
 
 
 def add_noise(phases: dict[str, dict]) -> dict[str, dict]:

@@ -12,8 +12,12 @@ from dataclasses import dataclass, field
 
 from slipstream.bench.workloads import Workload
 
-FRAMEWORKS = ("slipstream", "trl", "verl")
+FRAMEWORKS = ("slipstream", "naive", "trl", "verl")
+"""naive: the plain HF training loop (naive.py), the baseline every peer is also measured against."""
 BACKENDS = ("fsdp", "megatron")
+SINGLE_ENGINE = {"naive": "torch", "trl": "accelerate"}
+"""Frameworks with one engine: their one row per workload is labelled with what really runs (the naive
+loop is plain PyTorch, TRL is transformers' Trainer on accelerate in one process, without FSDP)."""
 RL_BACKENDS = ("local", "fsdp", "megatron")
 MODES = ("train-step", "rl-step")  # rl-step: whole GRPO steps from a recipe, see rl_step.py
 RECOMPUTE = ("none", "selective", "full")
@@ -60,6 +64,21 @@ class TrlSettings:
     """TRL loss_type; "dapo" (TRL's default) is a global token mean, like slipstream's token-mean."""
     gradient_checkpointing: str = "follow"
     """"follow" the held-constant recompute (none -> off, selective/full -> on), or "on" / "off"."""
+    use_liger_kernel: bool = False
+    """GRPOConfig.use_liger_kernel: Liger's Triton layer kernels (RMSNorm, SwiGLU, RoPE) patched into the model.
+    TRL 1.16 refuses Liger's fused linear cross-entropy and keeps its own chunked LM head, so the full logits
+    never exist either way. Needs `liger-kernel` and a GPU."""
+    params_dtype: str | None = None
+    """Dtype of TRL's parameters and AdamW state: None follows `dtype` (bf16 weights, as a bf16 checkpoint
+    loads), "float32" keeps fp32 weights under bf16 autocast."""
+
+
+@dataclass(frozen=True)
+class NaiveSettings:
+    """How the naive HF loop cuts its micro-batches (naive.py)."""
+
+    micro_batch_size: int = 4
+    """Sequences per padded micro-batch (padded to the longest of them)."""
 
 
 @dataclass(frozen=True)
@@ -109,12 +128,18 @@ class MatrixSpec:
     settings: CellSettings = field(default_factory=CellSettings)
     trl: TrlSettings = field(default_factory=TrlSettings)
     verl: VerlSettings = field(default_factory=VerlSettings)
+    naive: NaiveSettings = field(default_factory=NaiveSettings)
     on_error: str = "record"
     """"record": a cell that raises becomes an "error" row and the matrix goes on; "raise": stop."""
     rl_step: RLStepSettings | None = None
     """The recipe and step counts of an rl-step matrix (then `workloads` is this one entry); None for train-step."""
 
     def cells(self) -> list[tuple[Workload, str, str]]:
-        """(workload, framework, backend) in run order: workload-major, slipstream first."""
-        return [(w, f, b) for w in self.workloads for f in self.frameworks for b in self.backends]
+        """(workload, framework, backend) in run order: workload-major, in the spec's framework order."""
+        return [(w, f, b) for w in self.workloads for f in self.frameworks for b in framework_backends(f, self.backends)]
+
+
+def framework_backends(framework: str, backends: tuple[str, ...]) -> tuple[str, ...]:
+    """The backends a framework's rows run on: the spec's, or the one engine it has (SINGLE_ENGINE)."""
+    return (SINGLE_ENGINE[framework],) if framework in SINGLE_ENGINE else backends
 

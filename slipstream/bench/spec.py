@@ -16,7 +16,7 @@ import yaml
 
 from slipstream.bench.settings import (
     BACKENDS, DTYPES, FRAMEWORKS, MODES, RECOMPUTE, RL_BACKENDS, TRL_LOSS_TYPES, CellSettings, MatrixSpec,
-    RLStepSettings, TrlSettings, VerlSettings,
+    NaiveSettings, RLStepSettings, TrlSettings, VerlSettings,
 )  # fmt: skip
 from slipstream.bench.workloads import Workload, get_workload
 from slipstream.config.loader import load_config, parse_override
@@ -151,12 +151,12 @@ def parse_spec(data: Mapping) -> MatrixSpec:
     )
     if settings.master_dtype == "bfloat16" and settings.dtype != "bfloat16":
         raise ValueError("matrix spec: master_dtype: bfloat16 needs dtype: bfloat16")
-    trl, verl = _peers(data.get("peers", {}), workloads)
+    trl, verl, naive = _peers(data.get("peers", {}), workloads)
     return MatrixSpec(
         workloads=workloads,
         frameworks=_choice_list("frameworks", data["frameworks"], FRAMEWORKS),
         backends=_choice_list("backends", data["backends"], BACKENDS),
-        settings=settings, trl=trl, verl=verl,
+        settings=settings, trl=trl, verl=verl, naive=naive,
         on_error=_choice("on_error", data.get("on_error", "record"), ("record", "raise")),
     )  # fmt: skip
 
@@ -175,13 +175,19 @@ def _peak(where: str, value) -> float | None:
     return float(value)
 
 
-def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSettings]:
+def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSettings, NaiveSettings]:
     if not isinstance(raw, Mapping):
-        raise ValueError(f"matrix spec: peers must be a mapping (trl: ..., verl: ...), got {raw!r}")
-    _check_keys("peers.", raw, ("trl", "verl"))
-    trl_raw, verl_raw = raw.get("trl") or {}, raw.get("verl") or {}
+        raise ValueError(f"matrix spec: peers must be a mapping (trl: ..., verl: ..., naive: ...), got {raw!r}")
+    _check_keys("peers.", raw, ("trl", "verl", "naive"))
+    trl_raw, verl_raw, naive_raw = raw.get("trl") or {}, raw.get("verl") or {}, raw.get("naive") or {}
     _check_keys("peers.trl.", trl_raw, [f.name for f in dataclasses.fields(TrlSettings)])
     _check_keys("peers.verl.", verl_raw, [f.name for f in dataclasses.fields(VerlSettings)])
+    _check_keys("peers.naive.", naive_raw, [f.name for f in dataclasses.fields(NaiveSettings)])
+    naive = NaiveSettings(
+        micro_batch_size=_int(
+            "peers.naive.micro_batch_size", naive_raw.get("micro_batch_size", NaiveSettings.micro_batch_size), 1
+        )
+    )
     t, v = TrlSettings(), VerlSettings()
     trl = TrlSettings(
         per_device_train_batch_size=_int(
@@ -193,6 +199,8 @@ def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSetti
             "peers.trl.gradient_checkpointing", trl_raw.get("gradient_checkpointing", t.gradient_checkpointing),
             ("follow", "on", "off"),
         ),
+        use_liger_kernel=_bool("peers.trl.use_liger_kernel", trl_raw.get("use_liger_kernel", t.use_liger_kernel)),
+        params_dtype=_choice("peers.trl.params_dtype", trl_raw.get("params_dtype", t.params_dtype), (None, *DTYPES)),
     )  # fmt: skip
     # TRL splits the generation batch into equal micro-batches of whole prompt groups.
     for w in workloads:
@@ -224,7 +232,7 @@ def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSetti
         site_dir=_site_dir("peers.verl.site_dir", verl_raw.get("site_dir", v.site_dir)),
     )  # fmt: skip
     _check_verl_fits(verl, workloads)
-    return trl, verl
+    return trl, verl, naive
 
 
 def _optional_int(where: str, value) -> int | None:
@@ -260,6 +268,7 @@ def _check_verl_fits(verl: VerlSettings, workloads: tuple[Workload, ...]) -> Non
                 f"the {w.num_seqs} sequences of workload {w.name!r}"
             )
 
+
 # ---------------------------------------------------------------- mode: rl-step
 
 RL_TOP_KEYS = ("mode", "frameworks", "backends", "rl_step", "device", "peak_flops", "on_error")
@@ -291,7 +300,8 @@ def parse_rl_step_spec(data: Mapping) -> MatrixSpec:
     rl = _rl_step_section(data["rl_step"], settings)
     return MatrixSpec(
         workloads=(rl,),  # type: ignore[arg-type]  # the recipe is the one workload of an rl-step matrix
-        frameworks=_choice_list("frameworks", data["frameworks"], FRAMEWORKS),
+        # the naive loop has no generation: rl-step compares the full RL loops only
+        frameworks=_choice_list("frameworks", data["frameworks"], tuple(f for f in FRAMEWORKS if f != "naive")),
         backends=_choice_list("backends", data["backends"], RL_BACKENDS),
         settings=settings,
         on_error=_choice("on_error", data.get("on_error", "record"), ("record", "raise")),

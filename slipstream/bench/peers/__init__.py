@@ -34,6 +34,13 @@ PEERS: dict[str, PeerInfo] = {
         install="pip install trl==1.16.0 'torch==<installed version>'",
         note="trl 1.16.0 needs transformers>=4.56.2 and accelerate; developed against trl 1.16.0.",
     ),
+    "liger-kernel": PeerInfo(
+        name="liger-kernel",
+        module="liger_kernel",
+        # A 0.9 MB pure-Python + Triton wheel; the GPU machine gets it carried (bench/gpu_setup.sh).
+        install="pip install --no-deps liger-kernel==0.8.5",
+        note="TRL's use_liger_kernel=True needs it; its kernels are Triton, so the cell runs on a GPU only.",
+    ),
     "verl": PeerInfo(
         name="verl",
         module="verl",
