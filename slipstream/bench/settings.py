@@ -86,8 +86,15 @@ class VerlSettings:
     """How the verl cell runs verl's FSDP actor (peers/verl_adapter.py); verl's defaults unless noted."""
 
     attn_implementation: str = "sdpa"
+    """The HF attention verl's model runs: "sdpa" (padded rows), or "torch_varlen" (peers/verl_varlen.py: verl's
+    remove-padding varlen call on torch's bundled FlashAttention-2, where verl would call flash-attn, which
+    cannot be built here)."""
     use_remove_padding: bool = False
-    """verl's remove-padding fast path needs flash-attn; the padded sdpa path does not."""
+    """verl's remove-padding path (its users' default): one packed row per micro-batch, varlen attention."""
+    use_fused_kernels: bool = False
+    """verl's fused LM head + log-prob / entropy kernels (no (B, S, V) logits); off by default in verl."""
+    fused_kernels_backend: str = "torch"
+    """verl's fused_kernel_options.impl_backend: "torch" (its default) or "triton" (CUDA only)."""
     strategy: str = "fsdp"
     """verl's FSDP engine version: "fsdp" (FSDP1, verl's default) or "fsdp2"."""
     use_dynamic_bsz: bool = True

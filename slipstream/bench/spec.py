@@ -212,10 +212,15 @@ def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSetti
     verl = VerlSettings(
         attn_implementation=_choice(
             "peers.verl.attn_implementation", verl_raw.get("attn_implementation", v.attn_implementation),
-            ("sdpa", "flash_attention_2", "eager"),
+            ("sdpa", "torch_varlen", "flash_attention_2", "eager"),
         ),
         use_remove_padding=_bool(
             "peers.verl.use_remove_padding", verl_raw.get("use_remove_padding", v.use_remove_padding)
+        ),
+        use_fused_kernels=_bool("peers.verl.use_fused_kernels", verl_raw.get("use_fused_kernels", v.use_fused_kernels)),
+        fused_kernels_backend=_choice(
+            "peers.verl.fused_kernels_backend", verl_raw.get("fused_kernels_backend", v.fused_kernels_backend),
+            ("torch", "triton"),
         ),
         strategy=_choice("peers.verl.strategy", verl_raw.get("strategy", v.strategy), ("fsdp", "fsdp2")),
         use_dynamic_bsz=_bool("peers.verl.use_dynamic_bsz", verl_raw.get("use_dynamic_bsz", v.use_dynamic_bsz)),
@@ -231,6 +236,9 @@ def _peers(raw, workloads: tuple[Workload, ...]) -> tuple[TrlSettings, VerlSetti
         ),
         site_dir=_site_dir("peers.verl.site_dir", verl_raw.get("site_dir", v.site_dir)),
     )  # fmt: skip
+    if verl.attn_implementation == "torch_varlen" and not verl.use_remove_padding:
+        raise ValueError("matrix spec: peers.verl.attn_implementation torch_varlen needs use_remove_padding: true "
+                         "(it is verl's varlen call over one packed row)")  # fmt: skip
     _check_verl_fits(verl, workloads)
     return trl, verl, naive
 

@@ -104,6 +104,11 @@ def test_spec_verl_options(tmp_path):
         parse_spec(_spec(use_dynamic_bsz=False, micro_batch_size_per_gpu=3))
     with pytest.raises(ValueError, match="did you mean 'site_dir'"):
         parse_spec(_spec(sitedir=str(site)))
+    best = dict(attn_implementation="torch_varlen", use_remove_padding=True, use_fused_kernels=True,
+                fused_kernels_backend="triton")  # fmt: skip
+    assert parse_spec(_spec(**best)).verl == VerlSettings(**best)
+    with pytest.raises(ValueError, match="torch_varlen needs use_remove_padding"):
+        parse_spec(_spec(attn_implementation="torch_varlen"))
 
 
 def test_standins_import_but_refuse_to_run(tmp_path):
@@ -163,12 +168,32 @@ def test_verl_runs_its_own_actor_on_cpu():
     assert row["phases"]["actor_train"]["time_s"] > 0 and row["phases"]["log_probs"]["time_s"] > 0
 
 
-def test_verl_log_probs_equal_slipstreams(tmp_path):
+# verl's remove-padding path as its users run it: varlen attention (here torch's, peers/verl_varlen.py)
+# over one packed row per micro-batch, and its fused log-prob kernels (the torch backend on the CPU).
+_VERL_VARLEN = VerlSettings(
+    strategy="fsdp2", use_torch_compile=False, attn_implementation="torch_varlen", use_remove_padding=True,
+    use_fused_kernels=True,
+)  # fmt: skip
+
+
+def test_verl_remove_padding_row_says_what_ran():
+    _site_or_skip()
+    row = verl_adapter.run_verl_cell(get_workload("tiny"), _CPU, _VERL_VARLEN, "fsdp")
+    assert row["status"] == "ok", row.get("reason")
+    fair = row["fairness"]
+    assert fair["padded_tokens"] == fair["real_tokens"] and fair["padding_fraction"] == 0.0
+    assert "torch varlen_attn" in fair["attention_kernel"] and "fused kernels (torch backend)" in fair["logprob_head"]
+    resolved = row["impl"]["config"]["resolved"]["model"]
+    assert resolved["attn_implementation"] == "torch_varlen" and resolved["use_fused_kernels"]
+
+
+@pytest.mark.parametrize("verl", [_VERL, _VERL_VARLEN], ids=["padded-sdpa", "remove-padding-varlen-fused"])
+def test_verl_log_probs_equal_slipstreams(tmp_path, verl):
     site = _site_or_skip()
     w = get_workload("tiny")
     cfg, native, hf_model, batch = paired_models(w, seed=0)
     hf_model.save_pretrained(tmp_path / "model")
-    request = verl_adapter.runner_request(w, _CPU, _VERL)
+    request = verl_adapter.runner_request(w, _CPU, verl)
     request.update(model_dir=str(tmp_path / "model"), return_log_probs=True)
     result = verl_adapter.run_runner(request, site)
     verl_logp = torch.tensor(result["log_probs"])[torch.tensor(result["response_mask"]).bool()]

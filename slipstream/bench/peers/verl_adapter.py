@@ -21,10 +21,14 @@ The host-to-device copies of each micro-batch happen inside verl's engine and ar
 Configuration (recorded in the row's impl.config): verl's FSDP engine (strategy `fsdp` = FSDP1
 by default, `fsdp2` via the spec), world size 1, fp32 master weights with FSDP MixedPrecision
 bf16 params and bf16 autocast (verl's defaults), HF gradient checkpointing when recompute is not
-"none", attn_implementation=sdpa on verl's PADDED path (use_remove_padding=False): the
-remove-padding path needs flash-attn, which the GPU machine lacks and cannot carry; verl's
-fused flash-attn cross-entropy is absent for the same reason, so log-probs use its
-log_softmax + gather fallback. AdamW lr 1e-6, weight decay 0.01, clip 1.0: verl's ppo_trainer.yaml.
+"none". Attention, two configurations:
+  - padded: attn_implementation=sdpa, use_remove_padding=False (verl's default without flash-attn);
+  - remove-padding, as verl's users run it: use_remove_padding=True with attn_implementation
+    "torch_varlen" (peers/verl_varlen.py), verl's own varlen call over one packed row served by
+    torch's bundled FlashAttention-2 instead of flash-attn (which cannot be built here), and
+    optionally use_fused_kernels (verl's fused LM head + log-prob / entropy, "torch" or "triton").
+Without fused kernels, log-probs come from full logits (flash-attn's cross-entropy is absent, so
+verl's log_softmax + gather fallback runs). AdamW lr 1e-6, wd 0.01, clip 1.0: verl's ppo_trainer.yaml.
 
 Environment workarounds, all listed in the row (impl.workarounds):
   - import-only stand-ins (peers/standin.py, written into a temporary directory per run) for ray,
@@ -160,6 +164,8 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
         else f"{verl.micro_batch_size_per_gpu} sequences per micro-batch"
     )  # fmt: skip
     param_dtype = (engine["mixed_precision"] or {}).get("param_dtype", "bf16")
+    strategy = r["config"]["actor"]["strategy"]
+    engine_name = {"fsdp": "FSDP1", "fsdp2": "FSDP2"}.get(strategy, strategy)
     autocast = r["config"]["autocast_dtype"]  # verl skips autocast when it would be fp32
     return {
         "status": "ok",
@@ -173,11 +179,13 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
         },
         "micro_batches": mb,
         "fairness": {
+            "engine": f"verl {r['versions']['verl']} FSDP engine ({engine_name}), TrainingWorker",
+            "processes": 1,
+            "compile": f"verl use_torch_compile={verl.use_torch_compile} (its log-prob / entropy functions)",
             "dtype": settings.dtype,
             "params_dtype": f"{engine['model_dtype']} master weights, FSDP MixedPrecision {param_dtype} params, "
             + ("no autocast" if autocast == "torch.float32" else f"{autocast} autocast"),
-            "attention_kernel": f"{r['config']['model']['attn_implementation']} (padded rows, attention mask; "
-            f"use_remove_padding={verl.use_remove_padding})",
+            "attention_kernel": _attention_text(r["config"]["model"]["attn_implementation"], verl),
             "recompute": "full (HF gradient checkpointing, every layer)" if checkpointing else "none",
             "real_tokens": real,
             "padded_tokens": padded,
@@ -186,11 +194,16 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
             "mini-batch (global batch_num_tokens)",
             "optimizer": f"{optim['optimizer']} lr={optim['lr']} betas=({optim['betas'][0]},{optim['betas'][1]}) "
             f"wd={optim['weight_decay']}, grad clip {optim['clip_grad']}, fp32 state",
-            "micro_batching": f"{cutting}: {mb['count']} micro-batches, each padded to its longest sequence; "
-            "timed with verl's own batch conversion and micro-batch planning (part of its trainer step; "
+            "micro_batching": f"{cutting}: {mb['count']} micro-batches, "
+            + ("each one packed row (remove padding)" if verl.use_remove_padding else "each padded to its longest sequence")
+            + "; timed with verl's own batch conversion and micro-batch planning (part of its trainer step; "
             "slipstream plans before its timed region, ~10 ms of host time on W1)",
-            "logprob_head": "full (B, S, V) logits; log_softmax + gather (flash-attn cross-entropy absent); "
-            "log_probs phase also computes entropy from the logits",
+            "logprob_head": (
+                f"verl fused kernels ({verl.fused_kernels_backend} backend): log-probs and entropy from hidden states, "
+                "no (B, S, V) logits" if verl.use_fused_kernels
+                else "full (B, S, V) logits; log_softmax + gather (flash-attn cross-entropy absent); log_probs phase "
+                "also computes entropy from the logits"
+            ),
         },
         "impl": {
             "name": "verl",
@@ -205,6 +218,14 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
             "last_loss": r["last_update"]["loss"][-1],
         },
     }  # fmt: skip
+
+
+def _attention_text(attn: str, verl: VerlSettings) -> str:
+    if attn == "torch_varlen":
+        return ("verl's remove-padding varlen call (cu_seqlens from position ids) on torch varlen_attn, torch's "
+                "bundled FlashAttention-2, standing in for flash-attn (slipstream/bench/peers/verl_varlen.py)")  # fmt: skip
+    layout = "one packed row" if verl.use_remove_padding else "padded rows, attention mask"
+    return f"HF {attn} ({layout}; use_remove_padding={verl.use_remove_padding})"
 
 
 def run_verl_cell(w: Workload, settings: CellSettings, verl: VerlSettings, backend: str) -> dict:

@@ -157,6 +157,7 @@ def build_actor(model_dir: str, w: Workload, settings: dict, verl: dict):
         path=model_dir, load_tokenizer=False, use_remove_padding=verl["use_remove_padding"],
         override_config={"attn_implementation": verl["attn_implementation"]},
         enable_gradient_checkpointing=settings["recompute"] != "none",
+        use_fused_kernels=verl["use_fused_kernels"], fused_kernel_options={"impl_backend": verl["fused_kernels_backend"]},
     )  # fmt: skip
     token_budget = verl["max_token_len_per_gpu"] or settings["max_tokens_per_mb"]
     actor = FSDPActorConfig(
@@ -232,12 +233,13 @@ def micro_batch_layout(data, verl: dict, token_budget: int) -> dict:
     )  # fmt: skip
     micro, _ = prepare_micro_batches(data=td, dp_group=None)
     lens = [m["input_ids"].offsets().diff() for m in micro]
-    # use_remove_padding=False: each micro-batch is padded to its longest sequence (prepare_model_inputs).
+    # use_remove_padding=False: each micro-batch is padded to its longest sequence (prepare_model_inputs);
+    # True: it runs as one packed row of real tokens.
     return {
         "count": len(micro),
         "num_seqs": [int(x.numel()) for x in lens],
         "real_tokens": [int(x.sum()) for x in lens],
-        "padded_tokens": [int(x.numel() * x.max()) for x in lens],
+        "padded_tokens": [int(x.sum() if verl["use_remove_padding"] else x.numel() * x.max()) for x in lens],
     }
 
 
@@ -266,6 +268,10 @@ def run(request: dict) -> dict:
 
         install_cpu_platform()
     _init_single_process_group(device)
+    if verl["attn_implementation"] == "torch_varlen":
+        from slipstream.bench.peers.verl_varlen import register
+
+        register(device)
     cfg = get_preset(w.preset)
     batch = synthetic_batch(w, cfg.vocab_size)
     token_budget = verl["max_token_len_per_gpu"] or settings["max_tokens_per_mb"]
@@ -315,6 +321,7 @@ def actor_summary(actor, worker) -> dict:
         "model": {
             "attn_implementation": model.hf_config._attn_implementation, "use_remove_padding": model.use_remove_padding,
             "enable_gradient_checkpointing": model.enable_gradient_checkpointing,
+            "use_fused_kernels": model.use_fused_kernels, "fused_kernel_options": model.fused_kernel_options,
         },
         "engine_class": f"{type(worker.engine).__module__}.{type(worker.engine).__name__}",
         "autocast_dtype": str(worker.engine._autocast_dtype),
