@@ -226,7 +226,9 @@ def run_suite_command(args: argparse.Namespace) -> int:
     registry = _registry()
     if args.list:
         for e in registry.values():
-            print(f"{e.name:16s} [{e.device}{f', {e.min_gpus}+ GPUs' if e.min_gpus > 1 else ''}] {e.description}")
+            minutes = sum(r.estimate_s for r in e.rows(False)) / 60
+            need = f"{e.device}{f', {e.min_gpus}+ GPUs' if e.min_gpus > 1 else ''}, ~{minutes:.0f} min"
+            print(f"{e.name:16s} [{need}] {e.description}")
         return 0
     try:
         chosen = select(args.only, args.gpu, args.quick)

@@ -18,7 +18,7 @@ pytestmark = [
 
 LENS = (1, 37, 128, 300, 5)
 # a few rounding steps of each dtype at |x| ~ 1 (bf16 2^-8, fp16 2^-11; fp32: summation order);
-# not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+# not measured on the GPU yet: report() prints it
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
@@ -51,14 +51,14 @@ def test_backend_matches_reference_forward_and_backward(backend, dtype, hkv):
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = sdpa_varlen_attention(q32, k32, v32, cu)
     report(f"{backend} {dtype} hkv={hkv} out", out.float(), ref)
-    # TOL: not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+    # TOL: not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     grad = torch.randn_like(ref)
     out.backward(grad.to(dtype))
     ref.backward(grad)
     for a, b in ((q, q32), (k, k32), (v, v32)):
         report(f"{backend} {dtype} hkv={hkv} grad", a.grad.float(), b.grad)
-        # gradients sum over the sequence: 5x the output tolerance; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # gradients sum over the sequence: 5x the output tolerance; not measured on the GPU yet: report() prints it
         torch.testing.assert_close(a.grad.float(), b.grad, atol=5 * TOL[dtype], rtol=5 * TOL[dtype])
 
 
@@ -69,7 +69,7 @@ def test_custom_scale(backend):
     out = varlen_causal_attention(q, k, v, cu, max(LENS), scale=0.05, backend=backend)
     ref = sdpa_varlen_attention(q.float(), k.float(), v.float(), cu, scale=0.05)
     report(f"{backend} custom scale", out.float(), ref)
-    # TOL: not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+    # TOL: not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -87,7 +87,7 @@ def test_auto_backend_and_model_forward_match_cpu():
         ref = cpu_model(ids, pos, cu, max(LENS))
         out = gpu_model(ids.cuda(), pos.cuda(), cu.cuda(), max(LENS))
     report("tiny model bf16 GPU vs fp32 CPU", out.float().cpu(), ref)
-    # bf16 weights and activations through 2 layers vs fp32; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+    # bf16 weights and activations through 2 layers vs fp32; not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float().cpu(), ref, atol=5e-2, rtol=5e-2)
 
 
@@ -104,7 +104,7 @@ def test_gqa_native_and_repeated_paths_match_reference():
             attention._NATIVE_GQA[device] = use_native
             out = varlen_causal_attention(q, k, v, cu, max(LENS), backend="varlen")
             report(f"GQA native={use_native}", out.float(), ref)
-            # TOL: not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+            # TOL: not measured on the GPU yet: report() prints it
             torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     finally:
         attention._NATIVE_GQA[device] = native

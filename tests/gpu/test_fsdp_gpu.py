@@ -95,7 +95,7 @@ def test_bf16_step_matches_local(pg):
     got = fsdp.forward_backward(mbs, LOSSES[1], max_response_len=48)
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl"):
         report(f"fsdp vs local bf16 {key}", got[key], want[key])
-        # bf16, two engines; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # bf16, two engines; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=2e-2, abs=2e-3), key
     g_local, g_fsdp = full_grads(local), full_grads(fsdp)
     for name, g in g_local.items():
@@ -103,7 +103,7 @@ def test_bf16_step_matches_local(pg):
         assert cos > 0.98, (name, float(cos))
     want_norm, got_norm = local.optim_step()["actor/grad_norm"], fsdp.optim_step()["actor/grad_norm"]
     report("fsdp vs local bf16 grad_norm", got_norm, want_norm)
-    # not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+    # not measured on the GPU yet: report() prints it
     assert got_norm == pytest.approx(want_norm, rel=3e-2)
     # master weights and optimizer state stay fp32
     assert {p.dtype for p in fsdp.model.parameters()} == {torch.float32}
@@ -113,7 +113,7 @@ def test_bf16_step_matches_local(pg):
 def test_offload_matches_no_offload(pg):
     """Offload on and off are equally close to an fp32 run of the same steps.
 
-    Measured on the H200 (bench/diag_offload.py): two runs without offload are bit-identical,
+    Measured on the H200 (docs/results/2026-12-02-h200-diag-offload.txt): two runs without offload are bit-identical,
     while offload changes the bf16 gradients by up to ~2e-3 of their scale before the first
     optimizer step (the offloaded path rounds at other points), and AdamW carries that into the
     weights. So "matches" is judged against the fp32 result: a real offload bug (a dropped
@@ -127,7 +127,7 @@ def test_offload_matches_no_offload(pg):
         want, got, ref = step(plain, seed, loss), step(offload, seed, loss), step(exact, seed, loss)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
             report(f"offload vs plain {key}", got[key], want[key])
-            # not measured on the GPU yet (report() prints it for the gpu-tests suite entry); the line below bounds it by the plain run's distance to fp32
+            # not measured on the GPU yet: report() prints it; the line below bounds it by the plain run's distance to fp32
             assert got[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
             assert abs(got[key] - ref[key]) <= 2 * abs(want[key] - ref[key]) + 1e-4, key
     assert local_device(offload) == {"cpu"}
@@ -145,7 +145,7 @@ def _assert_steps_close(got: dict, want: dict) -> None:
     # Flash-attention backward accumulates with atomics, so two identical runs agree only closely.
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         report(f"same steps twice {key}", got[key], want[key])
-        # flash-attention's atomics only; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # flash-attention's atomics only; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
 
 
@@ -163,7 +163,7 @@ def test_offload_onload_round_trip(pg):
     got, want = dict(moved.export_weights()), dict(stay.export_weights())
     for name in want:
         report(f"offload round trip {name}", got[name], want[name])
-        # not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # not measured on the GPU yet: report() prints it
         torch.testing.assert_close(got[name], want[name], atol=5e-5, rtol=0, msg=name)
 
 
@@ -175,7 +175,7 @@ def test_forward_only_reference_offload(pg):
     mbs, _ = local_micro_batches(make_batch(12, 3), CAP)
     for a, b in zip(on_gpu.forward_logprobs(mbs), on_cpu.forward_logprobs(mbs)):
         report("reference on GPU vs offloaded", a.logprobs, b.logprobs)
-        # not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # not measured on the GPU yet: report() prints it
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
@@ -186,7 +186,7 @@ def test_compile_and_checkpointing_match_eager(pg, compile_, ac):
     want, got = step(eager, 1, LOSSES[1]), step(other, 1, LOSSES[1])
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         report(f"compile={compile_} ac={ac} {key}", got[key], want[key])
-        # bf16, other kernels; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # bf16, other kernels; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=2e-2, abs=1e-3), key
 
 
@@ -216,9 +216,9 @@ def test_two_gpus_match_one_gpu_fp32(tmp_path):
         for g, w in zip(res["metrics"], want):
             for key in ("actor/pg_loss", "actor/entropy", "actor/num_loss_tokens", "actor/grad_norm"):
                 report(f"2 GPUs vs 1 {key}", g[key], w[key])
-                # fp32; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+                # fp32; not measured on the GPU yet: report() prints it
                 assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), key
         for name in want_w:
             report(f"2 GPUs vs 1 {name}", res["weights"][name], want_w[name])
-            # fp32; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+            # fp32; not measured on the GPU yet: report() prints it
             torch.testing.assert_close(res["weights"][name], want_w[name], atol=1e-4, rtol=0, msg=name)

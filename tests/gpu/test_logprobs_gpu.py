@@ -62,7 +62,7 @@ def test_fp32_matches_float64_reference(impl, temperature, shape):
     ref = reference_and_grads(hidden, weight, targets, temperature, g_lp, g_ent)
     for name, got, want in zip(("lp", "ent", "g_h", "g_w"), ours, ref):
         report(f"fp32 {impl} T={temperature} {shape} {name}", got, want)
-        # not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+        # not measured on the GPU yet: report() prints it
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-3)
 
 
@@ -128,7 +128,7 @@ def test_triton_matches_torch_impl():
     a = run_and_grads(hidden, weight, targets, 1.0, g_lp, g_ent, impl="torch")
     b = run_and_grads(hidden, weight, targets, 1.0, g_lp, g_ent, impl="triton")
     report("triton vs torch lp", a[0], b[0]), report("triton vs torch ent", a[1], b[1])
-    # bf16 inputs, two kernels: 2e-2 nats; not measured on the GPU yet (report() prints it for the gpu-tests suite entry)
+    # bf16 inputs, two kernels: 2e-2 nats; not measured on the GPU yet: report() prints it
     torch.testing.assert_close(a[0], b[0], atol=2e-2, rtol=0)
     # not measured on the GPU yet, as the line above
     torch.testing.assert_close(a[1], b[1], atol=2e-2, rtol=0)

@@ -1,6 +1,6 @@
 """The verl cell of `slipstream bench matrix`: rollout layout, explained rows, spec options, stand-ins.
 
-The tests that run verl itself need a verl site directory (bench/peers_verl_wheels.sh local DIR)
+The tests that run verl itself need a verl site directory (`bash bench/gpu_setup.sh verl-local DIR`)
 named by SLIPSTREAM_VERL_SITE, and skip without it (CI has none).
 """
 
@@ -70,7 +70,7 @@ def test_no_site_gives_a_missing_row_that_says_how_to_install(monkeypatch, tmp_p
     monkeypatch.delenv(verl_adapter.SITE_ENV, raising=False)
     row = verl_adapter.run_verl_cell(get_workload("tiny"), CellSettings(), VerlSettings(), "fsdp")
     assert row["status"] == "missing" and verl_adapter.SITE_ENV in row["reason"]
-    assert "peers_verl_wheels.sh" in row["install"] and row["impl"]["standins"] == list(verl_adapter.STANDINS)
+    assert "gpu_setup.sh" in row["install"] and row["impl"]["standins"] == list(verl_adapter.STANDINS)
     monkeypatch.setenv(verl_adapter.SITE_ENV, str(tmp_path))  # a directory without verl in it
     row = verl_adapter.run_verl_cell(get_workload("tiny"), CellSettings(), VerlSettings(), "fsdp")
     assert row["status"] == "missing" and "has no verl package" in row["reason"]

@@ -45,9 +45,8 @@ PEERS: dict[str, PeerInfo] = {
         name="verl",
         module="verl",
         install=(
-            "bash bench/peers_verl_wheels.sh gpu && pip install --no-index --no-deps --target /tmp/verl-site "
-            ".whl/verl/*.whl && export SLIPSTREAM_VERL_SITE=/tmp/verl-site "
-            "(Python 3.11 here: bash bench/peers_verl_wheels.sh local /tmp/verl-site)"
+            "bash bench/gpu_setup.sh download, carry .whl, then on the GPU machine: source bench/gpu_setup.sh install "
+            "(sets SLIPSTREAM_VERL_SITE); for this python: bash bench/gpu_setup.sh verl-local DIR"
         ),
         note=(
             "verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, which conflict with slipstream's "

@@ -2,7 +2,7 @@
 
 Why a subprocess: verl 0.9.1 pins transformers<5.11 and tensordict<=0.10 (slipstream runs
 transformers 5.17 on the GPU machine, 5.24 here), so verl lives in its own site directory
-(`bench/peers_verl_wheels.sh` builds it from wheels) named by `peers.verl.site_dir` or the
+(`bench/gpu_setup.sh` builds it from wheels) named by `peers.verl.site_dir` or the
 environment variable SLIPSTREAM_VERL_SITE. verl_runner.py runs with PYTHONPATH =
 <site>:<stand-ins>:<slipstream> and no other PYTHONPATH; slipstream's own cells never see it.
 
