@@ -11,6 +11,7 @@ To add an entry: write rows(quick) -> [Row(...)] and `register(Entry(...))` it b
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -316,7 +317,9 @@ def rl_step_rows(quick: bool) -> list[Row]:
     device = "cpu" if quick or gpu_count() == 0 else "cuda"
     steps, warmup = (3, 1) if quick else ((8, 2) if device == "cuda" else (6, 1))
     overrides = ["reward.num_workers=0"] + (["rollout.prompts_per_step=4", "rollout.max_new_tokens=2"] if quick else [])
-    rl = {"recipe": str(REPO / "recipes" / "demo.yaml"), "steps": steps, "warmup_steps": warmup, "overrides": overrides}
+    # relative to where the suite runs (the repository root, as in the docs), so results files name no local path
+    recipe = os.path.relpath(REPO / "recipes" / "demo.yaml")
+    rl = {"recipe": recipe, "steps": steps, "warmup_steps": warmup, "overrides": overrides}
     cells = [("slipstream", "local"), ("slipstream", "fsdp"), ("slipstream", "megatron"), ("trl", "local")]
     return [
         _row(f"{f}-{b}" if f == "slipstream" else f, f, {"mode": "rl-step", "frameworks": [f], "backends": [b],
