@@ -214,8 +214,9 @@ def run_entry(
         else:
             result = run_row_here(row)
         results.append(result)
+        why = (str(result.get("reason") or "").splitlines() or [""])[0][:160]
         log(f"[suite] {entry.name}/{row.name}: {result['status']} in {result.get('wall_s', 0):.0f} s"
-            + (f": {str(result.get('reason', '')).splitlines()[0][:160]}" if result["status"] != "ok" else ""))
+            + (f": {why}" if result["status"] != "ok" else ""))
         write_results(path, meta, results, entry)
     write_results(path, meta, results, entry)
     return path

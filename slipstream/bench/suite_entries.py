@@ -54,9 +54,14 @@ def command_row(cmd: list[str], out_json: bool = False, timeout_s: int | None = 
     }  # fmt: skip
 
 
-def _train_spec(base: dict, framework: str, recompute: str, peers: dict | None = None, **extra) -> dict:
-    return {**base, "frameworks": [framework], "backends": [extra.pop("backend", "fsdp")], "recompute": recompute,
-            "peers": peers or {}, **extra}  # fmt: skip
+def _train_spec(
+    base: dict, framework: str, recompute: str, peers: dict | None = None, backend: str = "fsdp", **extra
+) -> dict:
+    """A one-cell train-step spec. `compile` applies to slipstream only: the other rows record it as off."""
+    spec = {**base, "frameworks": [framework], "backends": [backend], "recompute": recompute, "peers": peers or {}}
+    if framework != "slipstream":
+        spec["compile"] = False
+    return {**spec, **extra}
 
 
 def _row(name: str, label: str, spec: dict, estimate_s: int) -> Row:
