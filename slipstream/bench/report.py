@@ -267,7 +267,8 @@ def suite_markdown(record: dict) -> str:
         "",
         f"- Date {record['date']}; commit `{record['git_commit']}` (source digest `{record['source_digest']}`)",
         f"- Device: {record['gpu'] or 'CPU'} x{max(record['num_gpus'] or 0, 1)}; torch {record['torch']}, CUDA "
-        f"{record['cuda']}, transformers {record['transformers']}, Python {record['python']}",
+        f"{record['cuda']}, transformers {record['transformers']}, Python {record['python']}; load average "
+        f"{record.get('load_avg_1m', float('nan')):.1f} on {record.get('cpu_count')} CPUs at the start",
         f"- Command: `{record['command']}`" + (" (--quick: CPU-sized, a smoke test that measures nothing)"
                                                if record["quick"] else ""),  # fmt: skip
     ]

@@ -95,6 +95,8 @@ def run_meta(entry: Entry, quick: bool, command: str) -> dict:
         "git_commit": os.environ.get("SLIPSTREAM_GIT_COMMIT") or env["git_commit"], "source_digest": source_digest(),
         "gpu": env["gpu"], "num_gpus": env["num_gpus"], "torch": env["torch"], "cuda": env["cuda"],
         "transformers": env["transformers"], "python": env["python"], "host": env["host"], "command": command,
+        # other work on the machine skews CPU timings: the 1-minute load average when the entry started
+        "load_avg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
     }  # fmt: skip
 
 
