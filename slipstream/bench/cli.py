@@ -1,4 +1,4 @@
-"""`slipstream bench train-step` and `bench matrix`: argument parsing (light) and result tables (rich).
+"""`slipstream bench train-step`, `bench matrix` and `bench suite`: argument parsing (light) and result tables.
 
 Only argparse runs at import time; torch, transformers and the benchmarks are imported
 inside the command, so `slipstream --help` stays fast.
@@ -33,7 +33,7 @@ def _backend(text: str) -> str:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` with its `train-step` and `matrix` sub-commands on the top-level subparsers."""
+    """Register `bench` with its `train-step`, `matrix` and `suite` sub-commands on the top-level subparsers."""
     bench = subparsers.add_parser("bench", help="measure the training step (and baselines) on fixed workloads")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("train-step", help="time the actor update and log-prob pass of one workload")
@@ -71,6 +71,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="keep the rows already in OUT/results.jsonl for this spec and run only the missing cells")  # fmt: skip
     m.set_defaults(func=run_matrix_command)
     add_rollout_parser(sub)
+    from slipstream.bench.suite import add_suite_parser  # argparse and the standard library only at import
+
+    add_suite_parser(sub)
     return p
 
 
@@ -151,7 +154,8 @@ def run_train_step(args: argparse.Namespace) -> int:
 
 def run_matrix_command(args: argparse.Namespace) -> int:
     """Entry point of `slipstream bench matrix`."""
-    from slipstream.bench.matrix import load_spec, run_matrix
+    from slipstream.bench.matrix import run_matrix
+    from slipstream.bench.spec import load_spec
     from slipstream.bench.report import write_matrix_report
 
     results = args.out / "results.jsonl"

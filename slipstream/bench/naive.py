@@ -19,6 +19,7 @@ import torch
 from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
+from slipstream.bench.settings import CellSettings, NaiveSettings
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf import config_to_hf, to_hf_state_dict
@@ -182,6 +183,40 @@ def bench_naive(
     }
     result["metrics"] = ts.perf_metrics(result["phases"])
     return result
+
+
+def run_naive_cell(w: Workload, settings: CellSettings, naive: NaiveSettings) -> dict:
+    """The naive loop as a matrix cell: gradient checkpointing follows the row's recompute setting."""
+    checkpointing = settings.recompute != "none"
+    r = bench_naive(
+        w, micro_batch_size=naive.micro_batch_size, dtype=getattr(torch, settings.dtype),
+        gradient_checkpointing=checkpointing, repeats=settings.repeats, warmup=settings.warmup,
+        device=settings.device, peak_flops=settings.peak_flops,
+    )  # fmt: skip
+    mb, real = r["micro_batches"], r["workload"]["num_tokens"]
+    return {
+        "status": "ok",
+        "phases": r["phases"],
+        "micro_batches": {k: mb[k] for k in ("count", "num_seqs", "padded_tokens")},
+        "fairness": {
+            "engine": "plain PyTorch loop over an HF *ForCausalLM (no Trainer, no FSDP)",
+            "processes": 1,
+            "compile": "no",
+            "dtype": settings.dtype,
+            "params_dtype": f"{settings.dtype} parameters, gradients and AdamW state (no master copy)",
+            "attention_kernel": "HF sdpa (padded rows, attention mask)",
+            "recompute": "full (HF gradient checkpointing, every layer)" if checkpointing else "none",
+            "real_tokens": real,
+            "padded_tokens": sum(mb["padded_tokens"]),
+            "padding_fraction": mb["padding_fraction"],
+            "loss_normalisation": "PPO-clip, token-mean over the minibatch's loss tokens (global denominator)",
+            "optimizer": f"torch AdamW lr=1e-6 ({settings.dtype} state), grad clip 1.0",
+            "micro_batching": f"{naive.micro_batch_size} sequences per micro-batch in workload order, "
+            f"{mb['count']} micro-batches, each padded to its longest sequence",
+            "logprob_head": "full (B, S, V) logits, fp32 log_softmax + gather",
+        },
+        "impl": {"name": "hf-naive", "version": None, "config": r["config"]},
+    }
 
 
 def paired_models(w: Workload, seed: int = 0):

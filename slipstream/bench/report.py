@@ -1,8 +1,9 @@
 """Report of a benchmark matrix: a markdown table plus three PNGs, drawn from its results JSONL.
 
-  matrix.md      environment, held-constant settings, the result table (with real-token speed-up
-                 over the TRL cell of the same workload), unmeasured cells with their reasons,
-                 and the fairness checklist of every measured cell
+  matrix.md      environment, the result table (each row with its own engine, precision, compile,
+                 recompute, micro-batching and padding; real-token speed-up over the best TRL row of
+                 the same workload), unmeasured cells with their reasons, and the fairness
+                 checklist of every measured cell
   phases.png     time per phase (actor update stacked on the log-prob pass) per cell
   mfu.png        actor-update MFU per cell
   memory.png     peak memory of each phase per cell
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from slipstream.bench.matrix import read_rows
+from slipstream.bench.rows import read_rows
 
 PHASES = ("actor_train", "log_probs")
 _GIB_NONE = "-"
@@ -33,35 +34,73 @@ def _fmt(value, spec: str) -> str:
 
 
 def _cell_label(row: dict) -> str:
-    return f"{row['workload']['name']}\n{row['framework']}-{row['backend']}"
+    return f"{row['workload']['name']}\n{row.get('row') or row['framework'] + '-' + row['backend']}"
 
 
-def _speedup_vs_trl(rows: Sequence[dict]) -> dict[str, float]:
-    """Real-token throughput of each measured cell over the TRL cell of the same workload."""
-    trl = {
-        r["workload"]["name"]: r["phases"]["actor_train"]["tok_per_s"]
+def best_rows(rows: Sequence[dict], framework: str) -> dict[str, dict]:
+    """Per workload, the measured row of `framework` with the highest real-token throughput."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["framework"] == framework and r["status"] == "ok":
+            name = r["workload"]["name"]
+            if name not in best or _tok_per_s(r) > _tok_per_s(best[name]):
+                best[name] = r
+    return best
+
+
+def _tok_per_s(row: dict) -> float:
+    return row["phases"]["actor_train"]["tok_per_s"]
+
+
+def _speedup_vs_trl(rows: Sequence[dict]) -> list[float | None]:
+    """Per row: real-token throughput over the best TRL row of the same workload (None: not measured / no TRL)."""
+    trl = {name: _tok_per_s(r) for name, r in best_rows(rows, "trl").items()}
+    return [
+        _tok_per_s(r) / trl[r["workload"]["name"]] if r["status"] == "ok" and r["workload"]["name"] in trl else None
         for r in rows
-        if r["framework"] == "trl" and r["status"] == "ok"
-    }
-    return {
-        r["cell"]: r["phases"]["actor_train"]["tok_per_s"] / trl[r["workload"]["name"]]
-        for r in rows
-        if r["status"] == "ok" and r["workload"]["name"] in trl
-    }
+    ]
+
+
+def _name(row: dict) -> str:
+    """How tables name a row: its suite row name, else its matrix cell."""
+    return row.get("row") or row["cell"]
+
+
+def _same(rows: Sequence[dict], get) -> object | None:
+    """The value `get(row)` when every row has the same one, else None (then each row states its own)."""
+    values = {repr(get(r)) for r in rows}
+    return get(rows[0]) if len(values) == 1 else None
+
+
+def row_settings(r: dict) -> list[str]:
+    """A row's own settings as table cells: engine (processes), dtype / params, compile, recompute, micro-batching."""
+    f = r.get("fairness") or {}
+    engine = f"{r['backend']}: {f['engine']}" if f.get("engine") else r["backend"]
+    return [
+        f"{engine} ({f.get('processes', '?')} proc.)",
+        f"{f.get('dtype', '-')} / {f.get('params_dtype', '-')}",
+        str(f.get("compile", "-")),
+        str(f.get("recompute", "-")),
+        str(f.get("micro_batching", "-")),
+    ]
+
+
+SETTINGS_HEAD = "| engine (processes) | dtype / params | compile | recompute | micro-batching |"
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-    """The matrix as markdown: header facts, result table, unmeasured cells, fairness checklist."""
+    """The matrix as markdown: header facts, result table (each row with its own settings), reasons, fairness."""
     if not rows:
         raise ValueError("no result rows to report")
     if rows[0]["mode"] == "rl-step":
         from slipstream.bench.rl_step import rl_step_markdown
 
         return "\n".join(rl_step_markdown(rows) + _unmeasured_and_fairness(rows)) + "\n"
-    env, held = rows[0]["env"], rows[0]["held_constant"]
+    env = rows[0]["env"]
     peers = env.get("peers", {})
     peer_text = ", ".join(f"{k} {v}" for k, v in peers.items() if v) or "none installed"
-    peak = held.get("peak_flops")
+    peak = _same(rows, lambda r: r["held_constant"].get("peak_flops"))
+    timing = _same(rows, lambda r: (r["held_constant"]["warmup"], r["held_constant"]["repeats"]))
     lines = [
         "# Benchmark matrix",
         "",
@@ -70,36 +109,48 @@ def markdown_table(rows: Sequence[dict]) -> str:
         f"- Peers: {peer_text}",
         f"- Commit: `{env.get('git_commit')}`; recorded {env.get('time')}",
         f"- Command: `{env.get('command')}`",
-        f"- Held constant: mode {held['mode']}, dtype {held['dtype']}, recompute {held['recompute']}, slipstream "
-        f"micro-batch budget {held['max_tokens_per_mb']} tokens, compile {held['compile']}, slipstream fsdp master "
-        f"weights {held.get('master_dtype', 'float32')}, warm-up {held['warmup']} "
-        f"+ {held['repeats']} timed repeats (median, min-max); TRL per_device_train_batch_size "
-        f"{held['peers']['trl']['per_device_train_batch_size']}, loss_type {held['peers']['trl']['loss_type']}",
+        "- Timing: " + (f"warm-up {timing[0]} + {timing[1]} timed repeats" if timing else "warm-up + repeats per row")
+        + " (median, min-max); each row states its own engine, precision, compile, recompute, micro-batching and "
+        "padding (details in the fairness checklist below)",
         f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (DESIGN.md); MFU against "
         f"{'an override peak of %.0f TFLOP/s' % (peak / 1e12) if peak else 'the datasheet dense bf16 peak'}; "
-        "noise = (max - min) / median of the actor update",
+        "noise = (max - min) / median of the actor update; vs TRL = real tok/s over the best TRL row of the "
+        "same workload",
         "",
-        "| workload | framework | backend | status | update s (min-max) | noise | real tok/s | vs TRL | TFLOP/s "
-        "| MFU | peak GiB | log-prob s | log-prob GiB | padding |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    speedup = _speedup_vs_trl(rows)
-    for r in rows:
+    lines += matrix_table_lines(rows)
+    return "\n".join(lines + _unmeasured_and_fairness(rows)) + "\n"
+
+
+def matrix_table_lines(rows: Sequence[dict]) -> list[str]:
+    """The result table of train-step matrix rows, each with its own settings, and the best TRL row named."""
+    lines = [
+        "| workload | framework | status " + SETTINGS_HEAD + " padding | update s (min-max) | noise | real tok/s "
+        "| vs TRL | TFLOP/s | MFU | peak GiB | log-prob s | log-prob GiB |",
+        "|---" * 18 + "|",
+    ]
+    for r, speedup in zip(rows, _speedup_vs_trl(rows), strict=True):
         wl = r["workload"]
-        head = f"| {wl['name']} ({wl['preset']}) | {r['framework']} | {r['backend']} | {r['status']} |"
+        head = f"| {wl['name']} ({wl['preset']}) | {r.get('row') or r['framework']} | {r['status']} |"
         if r["status"] != "ok":
-            lines.append(head + " - |" * 10)
+            lines.append(head + f" {r['backend']} |" + " - |" * 14)
             continue
         t, f = r["phases"]["actor_train"], r["phases"].get("log_probs")
         fair = r.get("fairness") or {}
         lines.append(
-            f"{head} {t['time_s']:.3f} ({t['time_min_s']:.3f}-{t['time_max_s']:.3f}) | {t['rel_spread']:.1%} "
-            f"| {t['tok_per_s']:,.0f} | {_fmt(speedup.get(r['cell']), '.2f')}x | {t['tflops']:.1f} "
+            head + "".join(f" {c} |" for c in row_settings(r))
+            + f" {_fmt(fair.get('padding_fraction'), '.1%')} "
+            f"| {t['time_s']:.3f} ({t['time_min_s']:.3f}-{t['time_max_s']:.3f}) | {t['rel_spread']:.1%} "
+            f"| {t['tok_per_s']:,.0f} | {_fmt(speedup, '.2f')}x | {t['tflops']:.1f} "
             f"| {_fmt(t['mfu'], '.1%')} | {_fmt(t['peak_memory_gib'], '.1f')} "
-            f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} "
-            f"| {_fmt(fair.get('padding_fraction'), '.1%')} |"
+            f"| {_fmt(f['time_s'] if f else None, '.3f')} | {_fmt(f['peak_memory_gib'] if f else None, '.1f')} |"
         )
-    return "\n".join(lines + _unmeasured_and_fairness(rows)) + "\n"
+    best = best_rows(rows, "trl")
+    if best:
+        lines += ["", "Best TRL row per workload: " + "; ".join(
+            f"{name}: `{_name(r)}` (recompute {r['fairness']['recompute']})" for name, r in best.items()
+        )]  # fmt: skip
+    return lines
 
 
 def _unmeasured_and_fairness(rows: Sequence[dict]) -> list[str]:
@@ -111,14 +162,14 @@ def _unmeasured_and_fairness(rows: Sequence[dict]) -> list[str]:
         for r in skipped:
             reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
             install = f" Install: `{r['install']}`" if r.get("install") else ""
-            lines.append(f"- `{r['cell']}` **{r['status']}**: {reason}{install}")
+            lines.append(f"- `{_name(r)}` **{r['status']}**: {reason}{install}")
     measured = [r for r in rows if r["status"] == "ok" and r.get("fairness")]
     if measured:
         keys = list(measured[0]["fairness"])
         lines += ["", "## Fairness checklist", "", "| cell | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for r in measured:
             cells = [_fmt(v, ".1%") if k == "padding_fraction" else str(v) for k, v in r["fairness"].items()]
-            lines.append(f"| {r['cell']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_name(r)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -204,3 +255,76 @@ def write_matrix_report(results_jsonl: str | Path, out_dir: str | Path) -> dict[
     for name, plot in (("phases", phase_plot), ("mfu", mfu_plot), ("memory", memory_plot)):
         plot(rows).savefig(paths[name], dpi=110)
     return paths
+
+
+# ---------------------------------------------------------------- suite results files (suite.py)
+
+
+def suite_markdown(record: dict) -> str:
+    """OUT/<entry>.md of a suite results file: where it ran, the rows (each with its settings), the summary."""
+    lines = [
+        f"# {record['entry']}: {record['description']}",
+        "",
+        f"- Date {record['date']}; commit `{record['git_commit']}` (source digest `{record['source_digest']}`)",
+        f"- Device: {record['gpu'] or 'CPU'} x{max(record['num_gpus'] or 0, 1)}; torch {record['torch']}, CUDA "
+        f"{record['cuda']}, transformers {record['transformers']}, Python {record['python']}; load average "
+        f"{record.get('load_avg_1m', float('nan')):.1f} on {record.get('cpu_count')} CPUs at the start",
+        f"- Command: `{record['command']}`" + (" (--quick: CPU-sized, a smoke test that measures nothing)"
+                                               if record["quick"] else ""),  # fmt: skip
+    ]
+    if record.get("status") == "skipped":
+        return "\n".join([*lines, "", f"Skipped: {record['reason']}"]) + "\n"
+    rows = record["rows"]
+    matrix = [r for r in rows if r.get("kind") == "matrix"]
+    if matrix and matrix[0]["mode"] == "rl-step":
+        from slipstream.bench.rl_step import rl_step_markdown
+
+        # its settings lines; device, commit and command are in this file's header already
+        lines += [""] + [line for line in rl_step_markdown(matrix)[2:] if not line.startswith(("- Device", "- Commit",
+                                                                                               "- Command"))]  # fmt: skip
+    elif matrix:
+        lines += ["", *matrix_table_lines(matrix)]
+    others = [r for r in rows if r.get("kind") != "matrix"]
+    if others:
+        lines += [""] + [f"- `{r['row']}` {_other_row_text(r)}" for r in others]
+    ratios = (record.get("summary") or {}).get("ratios") or []
+    if ratios:
+        lines += ["", "## Ratios (both rows from this file)", ""]
+        for q in ratios:
+            (a, b), (ra, rb), (pa, pb) = q["rows"], q["recompute"], q["peak_gib"]
+            lines.append(
+                f"- {q['what']}: **{q['ratio']:.2f}x** (`{a}` {q['tok_per_s'][0]:,.0f} vs `{b}` {q['tok_per_s'][1]:,.0f} "
+                f"real tok/s; recompute {ra} / {rb}; peak {_fmt(pa, '.1f')} / {_fmt(pb, '.1f')} GiB)"
+            )
+    return "\n".join(lines + _unmeasured_and_fairness(matrix)) + "\n"
+
+
+def _other_row_text(r: dict) -> str:
+    """One line for a row that is not a matrix cell (an op, a curve, a command, a whole run)."""
+    if r["status"] != "ok":
+        reason = (str(r.get("reason") or "").strip().splitlines() or [""])[0]
+        tail = (str(r.get("output_tail") or "").strip().splitlines() or [""])[-1]
+        return f"**{r['status']}**: {reason or tail}"
+    kind = r.get("kind")
+    if kind == "logprob_op":
+        return (f"fused log-prob{' + entropy' if r['with_entropy'] else ''} at {r['num_tokens']:,} tokens x "
+                f"{r['vocab_size']:,} vocab (hidden {r['hidden_size']}, {r['dtype']}): extra peak "
+                f"{_fmt(r['extra_peak_gib'], '.2f')} GiB beyond inputs (fp32 logits alone: "
+                f"{r['naive_logits_fp32_gib']:.1f} GiB), {r['time_s']:.3f} s fwd+bwd, max |err| vs fp64 "
+                f"{r['max_abs_err_vs_fp64']:.1e}")  # fmt: skip
+    if kind == "memory_curve":
+        points = ", ".join(f"{p['tokens']:,}: {_fmt(p['peak_memory_gib'], '.1f')} GiB" if p["status"] == "ok"
+                           else f"{p['tokens']:,}: {p['status']}" for p in r["points"])  # fmt: skip
+        return f"{r['preset']}, {r['backend']}, recompute {r['activation_checkpointing']}: {points}"
+    if kind == "plan_balance":
+        plans = "; ".join(f"{p['ranks']} ranks: {p['micro_batches_per_rank']} mb/rank, tokens/rank "
+                          f"{p['tokens_min']:,}-{p['tokens_max']:,}, work max/mean {p['work_max_over_mean']:.6f}"
+                          for p in r["plans"])  # fmt: skip
+        return f"{r['workload']} x K on K ranks, budget {r['max_tokens_per_mb']:,}: {plans}"
+    if kind == "train":
+        return (f"{r['steps']} steps: reward/mean {r['reward_first10']:.3f} (first 10) -> {r['reward_last10']:.3f} "
+                f"(last 10); step time median {r['step_time_median_s']:.3f} s, mean {r['step_time_mean_s']:.3f} s")  # fmt: skip
+    if kind == "command":
+        return f"ok: `{r['command']}` (output and data in the JSON)"
+    return f"{r['status']}"
+

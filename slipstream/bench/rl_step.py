@@ -16,9 +16,9 @@ steps. Only the backend (`actor.backend`) varies between the slipstream cells.
       warmup_steps: 1
       overrides: [rollout.max_new_tokens=4]
 
-Cells: slipstream x local|fsdp|megatron run (world size 1); trl x local|fsdp runs TRL's own
-GRPOTrainer.train() on the same recipe (slipstream/bench/peers/trl_rl_step.py; TRL has one
-engine, so both backend columns run the same TRL code); verl x * are explained rows.
+Cells: slipstream x local|fsdp|megatron run (world size 1); trl x accelerate runs TRL's own
+GRPOTrainer.train() on the same recipe once (slipstream/bench/peers/trl_rl_step.py; TRL has one
+engine); verl x * are explained rows.
 """
 
 from __future__ import annotations
@@ -28,19 +28,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.bench.matrix import (
-    FRAMEWORKS, ROW_KEYS, SCHEMA, STATUSES, CellSettings, MatrixSpec, _check_keys, _choice, _choice_list, _int,
-    _peak, add_noise,
-)  # fmt: skip
-from slipstream.config.loader import load_config, parse_override
+from slipstream.bench.rows import ROW_KEYS, SCHEMA, STATUSES, add_noise
+from slipstream.bench.settings import CellSettings, MatrixSpec, RLStepSettings
+from slipstream.bench.spec import cell_config
 from slipstream.config.schema import Config
 
-RL_BACKENDS = ("local", "fsdp", "megatron")
-RL_TOP_KEYS = ("mode", "frameworks", "backends", "rl_step", "device", "peak_flops", "on_error")
-RL_STEP_KEYS = ("recipe", "steps", "warmup_steps", "overrides", "name", "budgets", "ignore_stop")
 RL_PHASES = ("rollout", "reward", "old_log_probs", "ref_log_probs", "actor_train", "update_weights")
 """Phases of one step in the order they run (the "step" phase encloses them all)."""
 CORE_METRICS = (
@@ -49,136 +43,7 @@ CORE_METRICS = (
     "perf/rollout_tokens_per_gpu_per_s",
 )  # fmt: skip
 """The DESIGN.md metric set (plus perf/max_memory_allocated_gb/<phase> on CUDA); MFU needs a known peak."""
-CONTROLLED_KEYS = (
-    "trainer.run_dir", "trainer.export_hf", "logging.tensorboard", "trainer.resume", "trainer.total_steps",
-    "actor.backend",
-)  # fmt: skip
-"""Config keys the bench sets itself for every cell; the spec's overrides may not touch them."""
 _MEM_PREFIX = "perf/max_memory_allocated_gb/"
-
-
-@dataclass(frozen=True)
-class RLStepSettings:
-    """The recipe every rl-step cell runs, and how many steps are run and timed."""
-
-    recipe: str
-    """Recipe YAML (relative paths are read from the current directory, like `slipstream train`)."""
-    steps: int
-    """Steps per cell, warm-up included."""
-    warmup_steps: int = 1
-    """Leading steps left out of the statistics."""
-    overrides: tuple[str, ...] = ()
-    """Dotted `key=value` overrides applied on top of the recipe (same syntax as `slipstream train`)."""
-    name: str = ""
-    """Workload name in the results (default: the recipe's file stem)."""
-    budgets: str | None = None
-    """Per-sample max_new_tokens: "w1" = linspace(256, 3584) over the step's samples (W1's response lengths); None: the recipe's."""
-    ignore_stop: bool = False
-    """Sample every budget to its end (stop tokens ignored), as a throughput benchmark needs."""
-
-    def sample_budgets(self, num_samples: int) -> list[int] | None:
-        if self.budgets is None:
-            return None
-        if num_samples < 2:
-            return [3584] * num_samples
-        return [round(256 + i * (3584 - 256) / (num_samples - 1)) for i in range(num_samples)]
-
-
-# ---------------------------------------------------------------- spec
-
-
-def parse_rl_step_spec(data: Mapping) -> MatrixSpec:
-    """Validate a `mode: rl-step` spec mapping; the recipe and overrides are resolved once to catch errors early."""
-    for key in data:
-        if key not in RL_TOP_KEYS and key in {"workloads", "peers"} | {f.name for f in dataclasses.fields(CellSettings)}:
-            raise ValueError(
-                f"matrix spec: key {key!r} applies to mode train-step only; in mode rl-step the recipe in "
-                f"rl_step.recipe and rl_step.overrides set the workload and the training settings"
-            )
-    _check_keys("", data, RL_TOP_KEYS)
-    for key in ("frameworks", "backends", "rl_step"):
-        if key not in data:
-            raise ValueError(f"matrix spec: missing required key {key!r}")
-    settings = CellSettings(
-        mode="rl-step",
-        device=_choice("device", data.get("device"), (None, "cuda", "cpu")),
-        peak_flops=_peak("peak_flops", data.get("peak_flops")),
-    )
-    rl = _rl_step_section(data["rl_step"], settings)
-    return MatrixSpec(
-        workloads=(rl,),  # type: ignore[arg-type]  # the recipe is the one workload of an rl-step matrix
-        frameworks=_choice_list("frameworks", data["frameworks"], FRAMEWORKS),
-        backends=_choice_list("backends", data["backends"], RL_BACKENDS),
-        settings=settings,
-        on_error=_choice("on_error", data.get("on_error", "record"), ("record", "raise")),
-        rl_step=rl,
-    )
-
-
-def _rl_step_section(raw, settings: CellSettings) -> RLStepSettings:
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"matrix spec: rl_step must be a mapping (recipe, steps, ...), got {raw!r}")
-    _check_keys("rl_step.", raw, RL_STEP_KEYS)
-    for key in ("recipe", "steps"):
-        if key not in raw:
-            raise ValueError(f"matrix spec: rl_step is missing required key {key!r}")
-    recipe = raw["recipe"]
-    if not isinstance(recipe, str) or not recipe:
-        raise ValueError(f"matrix spec: rl_step.recipe must be a path to a recipe YAML, got {recipe!r}")
-    steps = _int("rl_step.steps", raw["steps"], 1)
-    warmup = _int("rl_step.warmup_steps", raw.get("warmup_steps", 1), 0)
-    if warmup >= steps:
-        raise ValueError(
-            f"matrix spec: rl_step.steps={steps} leaves no timed step after rl_step.warmup_steps={warmup} "
-            "(steps counts the warm-up too)"
-        )
-    overrides = raw.get("overrides", [])
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise ValueError(f"matrix spec: rl_step.overrides must be a list of 'key=value' strings, got {overrides!r}")
-    controlled = set(CONTROLLED_KEYS)
-    controlled |= {"trainer.device"} if settings.device is not None else set()
-    controlled |= {"trainer.peak_flops"} if settings.peak_flops is not None else set()
-    for i, item in enumerate(overrides):
-        try:
-            key, _ = parse_override(item)
-        except ValueError as err:
-            raise ValueError(f"matrix spec: rl_step.overrides[{i}]: {err}") from None
-        if key in controlled:
-            raise ValueError(
-                f"matrix spec: rl_step.overrides[{i}] sets {key!r}, which the bench sets itself "
-                f"({', '.join(sorted(controlled))}); vary the backend with `backends` and the device with `device`"
-            )
-    name = raw.get("name", Path(recipe).stem)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"matrix spec: rl_step.name must be a non-empty string, got {name!r}")
-    budgets = raw.get("budgets")
-    if budgets not in (None, "w1"):
-        raise ValueError(f"matrix spec: rl_step.budgets must be 'w1' or absent, got {budgets!r}")
-    ignore_stop = raw.get("ignore_stop", False)
-    if not isinstance(ignore_stop, bool):
-        raise ValueError(f"matrix spec: rl_step.ignore_stop must be true or false, got {ignore_stop!r}")
-    rl = RLStepSettings(recipe=recipe, steps=steps, warmup_steps=warmup, overrides=tuple(overrides), name=name,
-                        budgets=budgets, ignore_stop=ignore_stop)  # fmt: skip
-    try:  # resolve now: a typo in an override fails at spec load, not after the first cells have run
-        cell_config(rl, settings, backend="local", run_dir="/nonexistent/rl-step-check")
-    except ValueError as err:
-        raise ValueError(f"matrix spec: rl_step: {err}") from None
-    return rl
-
-
-def cell_config(rl: RLStepSettings, settings: CellSettings, backend: str, run_dir: str | Path) -> Config:
-    """The Config of one cell: recipe <- spec overrides <- what the bench controls (backend, run_dir, ...)."""
-    forced = [
-        f"trainer.run_dir={run_dir}", "trainer.export_hf=false", "logging.tensorboard=false",
-        "trainer.resume=false", f"trainer.total_steps={rl.steps}", f"actor.backend={backend}",
-    ]  # fmt: skip
-    if settings.device is not None:
-        forced.append(f"trainer.device={settings.device}")
-    if settings.peak_flops is not None:
-        forced.append(f"trainer.peak_flops={settings.peak_flops!r}")
-    return load_config(rl.recipe, [*rl.overrides, *forced])
 
 
 def held_constant_rl(spec: MatrixSpec) -> dict:
@@ -300,6 +165,9 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
     ]  # fmt: skip
     a, r = cfg.actor, cfg.rollout
     fairness = {
+        "engine": {"local": "one process, no wrapper", "fsdp": "FSDP2 (fully_shard per block)",
+                   "megatron": "megatron-core DDP + distributed optimizer"}.get(backend, backend),  # fmt: skip
+        "processes": 1,
         "dtype": cfg.model.dtype,
         "attention_kernel": f"train: {kernel} over packed sequences (no padding)",
         "recompute": a.activation_checkpointing,
@@ -321,21 +189,6 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         "fairness": fairness,
         "impl": {"name": "slipstream", "version": None, "backend": backend, "device": str(device),
                  "setup_time_s": setup_s, "steps": rl.steps, "warmup_steps": rl.warmup_steps},  # fmt: skip
-    }
-
-
-def run_rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend: str) -> dict:
-    """The framework-specific part of one rl-step row; peers without an adapter get an explained row."""
-    if framework == "slipstream":
-        return run_slipstream_rl_step(rl, spec.settings, backend)
-    if framework == "trl":
-        from slipstream.bench.peers.trl_rl_step import run_trl_rl_step_cell
-
-        return run_trl_rl_step_cell(rl, spec.settings, backend)
-    return {
-        "status": "not-available",
-        "reason": f"rl-step adapter for {framework} not written yet (its train-step adapter exists; "
-        "full-step timing of its own generation loop is a later slice)",
     }
 
 

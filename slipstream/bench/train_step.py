@@ -83,9 +83,15 @@ def env_info() -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "git_commit": commit,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def command_line() -> str:
+    """This process's command; `python -m slipstream.cli ...` is recorded as the same `slipstream ...`."""
+    cli = os.path.basename(sys.argv[0]) == "slipstream" or sys.argv[0].endswith(os.path.join("slipstream", "cli.py"))
+    return " ".join(["slipstream", *sys.argv[1:]]) if cli else " ".join(sys.argv)
 
 
 def peak_for(device: torch.device, override: float | None = None) -> float | None:
@@ -357,12 +363,14 @@ def logprob_memory_check(
     device: torch.device | str | None = None,
     check_rows: int = 256,
     seed: int = 0,
+    with_entropy: bool = False,
 ) -> dict:
-    """Peak extra memory and time of fused linear -> log-prob fwd+bwd at (num_tokens x vocab_size).
+    """Peak extra memory and time of fused linear -> log-prob (+ entropy) fwd+bwd at (num_tokens x vocab_size).
 
     The naive path would hold (T, V) fp32 logits (plus their log_softmax); the fused op should
-    need a small fraction of one such copy. The first `check_rows` log-probs are compared with
-    a float64 log_softmax reference so a fast but wrong kernel cannot pass.
+    need a small fraction of one such copy. `with_entropy` also returns the per-token entropy and
+    puts it in the loss (what an entropy bonus or logging costs). The first `check_rows` log-probs
+    (and entropies) are compared with a float64 reference so a fast but wrong kernel cannot pass.
     """
     from slipstream.ops.logprobs import linear_logprobs
 
@@ -375,19 +383,23 @@ def logprob_memory_check(
     out: dict = {}
 
     def fwd_bwd() -> None:
-        logprobs, _ = linear_logprobs(hidden, weight, targets)
-        logprobs.sum().backward()
-        out["logprobs"] = logprobs.detach()
+        logprobs, entropy = linear_logprobs(hidden, weight, targets, with_entropy=with_entropy)
+        (logprobs.sum() + (entropy.sum() if with_entropy else 0.0)).backward()
+        out["logprobs"], out["entropy"] = logprobs.detach(), entropy.detach() if with_entropy else None
 
     seconds, peak = time_once(fwd_bwd, device)
     rows = min(check_rows, num_tokens)
-    ref = torch.log_softmax(hidden[:rows].detach().double() @ weight.detach().double().T, dim=-1)
-    ref = ref.gather(1, targets[:rows, None]).squeeze(1)
+    ref_logp = torch.log_softmax(hidden[:rows].detach().double() @ weight.detach().double().T, dim=-1)
+    ref = ref_logp.gather(1, targets[:rows, None]).squeeze(1)
     max_err = float((out["logprobs"][:rows].double() - ref).abs().max())
+    if with_entropy:
+        ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
+        max_err = max(max_err, float((out["entropy"][:rows].double() - ref_ent).abs().max()))
     logits_fp32 = num_tokens * vocab_size * 4
     result = {
         "kind": "logprob_memory", "num_tokens": num_tokens, "vocab_size": vocab_size, "hidden_size": hidden_size,
-        "dtype": str(dtype).removeprefix("torch."), "time_s": seconds, "max_abs_err_vs_fp64": max_err,
+        "dtype": str(dtype).removeprefix("torch."), "with_entropy": with_entropy, "time_s": seconds,
+        "max_abs_err_vs_fp64": max_err,
         "naive_logits_fp32_gib": logits_fp32 / _GIB,
         "extra_peak_gib": (peak - base) / _GIB if peak is not None else None,
     }  # fmt: skip

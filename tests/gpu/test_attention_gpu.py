@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from measured import report
 from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.ops import attention
@@ -16,6 +17,8 @@ pytestmark = [
 ]
 
 LENS = (1, 37, 128, 300, 5)
+# a few rounding steps of each dtype at |x| ~ 1 (bf16 2^-8, fp16 2^-11; fp32: summation order);
+# not measured on the GPU yet: report() prints it
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
@@ -47,11 +50,15 @@ def test_backend_matches_reference_forward_and_backward(backend, dtype, hkv):
     # Reference in fp32 on the same (rounded) inputs.
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = sdpa_varlen_attention(q32, k32, v32, cu)
+    report(f"{backend} {dtype} hkv={hkv} out", out.float(), ref)
+    # TOL: not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     grad = torch.randn_like(ref)
     out.backward(grad.to(dtype))
     ref.backward(grad)
     for a, b in ((q, q32), (k, k32), (v, v32)):
+        report(f"{backend} {dtype} hkv={hkv} grad", a.grad.float(), b.grad)
+        # gradients sum over the sequence: 5x the output tolerance; not measured on the GPU yet: report() prints it
         torch.testing.assert_close(a.grad.float(), b.grad, atol=5 * TOL[dtype], rtol=5 * TOL[dtype])
 
 
@@ -61,6 +68,8 @@ def test_custom_scale(backend):
     q, k, v, cu = _inputs(dtype)
     out = varlen_causal_attention(q, k, v, cu, max(LENS), scale=0.05, backend=backend)
     ref = sdpa_varlen_attention(q.float(), k.float(), v.float(), cu, scale=0.05)
+    report(f"{backend} custom scale", out.float(), ref)
+    # TOL: not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -77,6 +86,8 @@ def test_auto_backend_and_model_forward_match_cpu():
     with torch.no_grad():
         ref = cpu_model(ids, pos, cu, max(LENS))
         out = gpu_model(ids.cuda(), pos.cuda(), cu.cuda(), max(LENS))
+    report("tiny model bf16 GPU vs fp32 CPU", out.float().cpu(), ref)
+    # bf16 weights and activations through 2 layers vs fp32; not measured on the GPU yet: report() prints it
     torch.testing.assert_close(out.float().cpu(), ref, atol=5e-2, rtol=5e-2)
 
 
@@ -92,6 +103,8 @@ def test_gqa_native_and_repeated_paths_match_reference():
         for use_native in ((True, False) if native else (False,)):
             attention._NATIVE_GQA[device] = use_native
             out = varlen_causal_attention(q, k, v, cu, max(LENS), backend="varlen")
+            report(f"GQA native={use_native}", out.float(), ref)
+            # TOL: not measured on the GPU yet: report() prints it
             torch.testing.assert_close(out.float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     finally:
         attention._NATIVE_GQA[device] = native

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from measured import report
 from slipstream.algo.losses import LossSpec, SpecLoss
 from slipstream.batching.packing import pack_samples
 from slipstream.batching.records import PackedBatch, Sample
@@ -94,12 +95,16 @@ def test_bf16_step_matches_local(pg):
     want = local.forward_backward(mbs, LOSSES[1], max_response_len=48)
     got = fsdp.forward_backward(mbs, LOSSES[1], max_response_len=48)
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl"):
+        report(f"fsdp vs local bf16 {key}", got[key], want[key])
+        # bf16, two engines; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=2e-2, abs=2e-3), key
     g_local, g_fsdp = full_grads(local), full_grads(fsdp)
     for name, g in g_local.items():
         cos = torch.nn.functional.cosine_similarity(g.flatten(), g_fsdp[name].flatten(), dim=0)
         assert cos > 0.98, (name, float(cos))
     want_norm, got_norm = local.optim_step()["actor/grad_norm"], fsdp.optim_step()["actor/grad_norm"]
+    report("fsdp vs local bf16 grad_norm", got_norm, want_norm)
+    # not measured on the GPU yet: report() prints it
     assert got_norm == pytest.approx(want_norm, rel=3e-2)
     # master weights and optimizer state stay fp32
     assert {p.dtype for p in fsdp.model.parameters()} == {torch.float32}
@@ -109,7 +114,7 @@ def test_bf16_step_matches_local(pg):
 def test_offload_matches_no_offload(pg):
     """Offload on and off are equally close to an fp32 run of the same steps.
 
-    Measured on the H200 (bench/diag_offload.py): two runs without offload are bit-identical,
+    Measured on the H200 (docs/results/2026-12-02-h200-diag-offload.txt): two runs without offload are bit-identical,
     while offload changes the bf16 gradients by up to ~2e-3 of their scale before the first
     optimizer step (the offloaded path rounds at other points), and AdamW carries that into the
     weights. So "matches" is judged against the fp32 result: a real offload bug (a dropped
@@ -122,6 +127,8 @@ def test_offload_matches_no_offload(pg):
     for seed, loss in ((1, LOSSES[0]), (2, LOSSES[1])):
         want, got, ref = step(plain, seed, loss), step(offload, seed, loss), step(exact, seed, loss)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            report(f"offload vs plain {key}", got[key], want[key])
+            # not measured on the GPU yet: report() prints it; the line below bounds it by the plain run's distance to fp32
             assert got[key] == pytest.approx(want[key], rel=1e-2, abs=1e-4), key
             assert abs(got[key] - ref[key]) <= 2 * abs(want[key] - ref[key]) + 1e-4, key
     assert local_device(offload) == {"cpu"}
@@ -138,6 +145,8 @@ def test_offload_matches_no_offload(pg):
 def _assert_steps_close(got: dict, want: dict) -> None:
     # Flash-attention backward accumulates with atomics, so two identical runs agree only closely.
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        report(f"same steps twice {key}", got[key], want[key])
+        # flash-attention's atomics only; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-5), key
 
 
@@ -154,6 +163,8 @@ def test_offload_onload_round_trip(pg):
     _assert_steps_close(step(moved, 2, LOSSES[1]), step(stay, 2, LOSSES[1]))
     got, want = dict(moved.export_weights()), dict(stay.export_weights())
     for name in want:
+        report(f"offload round trip {name}", got[name], want[name])
+        # not measured on the GPU yet: report() prints it
         torch.testing.assert_close(got[name], want[name], atol=5e-5, rtol=0, msg=name)
 
 
@@ -164,6 +175,8 @@ def test_forward_only_reference_offload(pg):
     assert local_device(on_gpu) == {"cuda"} and local_device(on_cpu) == {"cpu"}
     mbs, _ = local_micro_batches(make_batch(12, 3), CAP)
     for a, b in zip(on_gpu.forward_logprobs(mbs), on_cpu.forward_logprobs(mbs)):
+        report("reference on GPU vs offloaded", a.logprobs, b.logprobs)
+        # not measured on the GPU yet: report() prints it
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
@@ -173,6 +186,8 @@ def test_compile_and_checkpointing_match_eager(pg, compile_, ac):
     other = FSDPEngine(make_model(), CUDA, BF16, 1.0, ACTOR, compile=compile_, activation_checkpointing=ac)
     want, got = step(eager, 1, LOSSES[1]), step(other, 1, LOSSES[1])
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        report(f"compile={compile_} ac={ac} {key}", got[key], want[key])
+        # bf16, other kernels; not measured on the GPU yet: report() prints it
         assert got[key] == pytest.approx(want[key], rel=2e-2, abs=1e-3), key
 
 
@@ -201,6 +216,10 @@ def test_two_gpus_match_one_gpu_fp32(tmp_path):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         for g, w in zip(res["metrics"], want):
             for key in ("actor/pg_loss", "actor/entropy", "actor/num_loss_tokens", "actor/grad_norm"):
+                report(f"2 GPUs vs 1 {key}", g[key], w[key])
+                # fp32; not measured on the GPU yet: report() prints it
                 assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), key
         for name in want_w:
+            report(f"2 GPUs vs 1 {name}", res["weights"][name], want_w[name])
+            # fp32; not measured on the GPU yet: report() prints it
             torch.testing.assert_close(res["weights"][name], want_w[name], atol=1e-4, rtol=0, msg=name)

@@ -109,9 +109,11 @@ def test_two_ranks_train_like_one_process(tmp_path):
         keys = [k for k in _agreed(a) if k != "actor/num_micro_batches"]  # that one is per rank
         assert a["reward/std"] > 0 and a["actor/kl"] != 0  # the test exercises advantages and the KL term
         for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            # measured max |diff| 1.2e-07 (rel 3.3e-07) between 1 and 2 gloo ranks: 3x margin
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), (a["step"], key)
     for name in one["weights"]:
-        torch.testing.assert_close(two["weights"][name], one["weights"][name], atol=1e-5, rtol=0)
+        # measured max |diff| 5.6e-07: 3.6x margin
+        torch.testing.assert_close(two["weights"][name], one["weights"][name], atol=2e-6, rtol=0)
 
 
 def test_two_ranks_resume_exactly(tmp_path):

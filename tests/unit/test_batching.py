@@ -59,6 +59,7 @@ def test_pack_samples_alignment_exact():
     assert b.advantages.dtype == torch.float32
     assert b.advantages.tolist() == [0, 0, 1, 1, 0, -2, -2, -2, 0, 0, 0]
     expected_behav = torch.tensor([0, 0, -0.1, -0.2, 0, -0.3, -0.4, -0.5, 0, 0, 0])
+    # exact: measured 0 (copied, not computed)
     torch.testing.assert_close(b.behav_logprobs, expected_behav, rtol=0, atol=0)
     assert b.old_logprobs is None and b.ref_logprobs is None
     assert b.sample_ids == (10, 11, 12)
@@ -252,6 +253,7 @@ def test_fewer_sequences_than_slots_gives_empty_micro_batches():
 
 def test_imbalance_and_work_hand_computed():
     plan = MicroBatchPlan(assignments=(((0,), (1, 2)),), max_tokens_per_mb=20)
+    # exact arithmetic: measured 0
     assert imbalance(plan, [10, 3, 4], work_fn=float) == pytest.approx(10 / 8.5, rel=1e-12)
     assert token_work(24576) == 2 * 24576
     assert token_work(100, quadratic_scale=50) == 300
@@ -262,6 +264,7 @@ def test_imbalance_and_work_hand_computed():
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     # Matmul params per layer: q 16*32 + kv 2*16*16 + o 32*16 + mlp 3*16*32 = 3072;
     # 2 layers + LM head 100*16 = 7744. Attention coefficient L*H*D = 2*4*8 = 64.
+    # exact arithmetic: measured 0 (default rel 1e-6)
     assert quadratic_scale_for(cfg) == pytest.approx(7744 / 64)
 
 

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.bench.matrix import ROW_KEYS, load_spec, make_row, parse_spec, read_rows, run_matrix
+from slipstream.bench.matrix import make_row, run_matrix
+from slipstream.bench.rows import ROW_KEYS, read_rows
+from slipstream.bench.spec import load_spec, parse_spec
 from slipstream.bench.report import markdown_table, write_matrix_report
-from slipstream.bench.rl_step import CORE_METRICS, RLStepSettings, step_statistics
+from slipstream.bench.rl_step import CORE_METRICS, step_statistics
+from slipstream.bench.settings import RLStepSettings
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes" / "demo.yaml")
@@ -37,7 +40,8 @@ def test_rl_step_spec_parses():
     assert rl == RLStepSettings(recipe=DEMO, steps=5, warmup_steps=2, overrides=("rollout.max_new_tokens=2",), name="demo")
     assert spec.settings.mode == "rl-step" and spec.settings.peak_flops == 1e12 and spec.settings.device == "cpu"
     assert spec.backends == ("local", "fsdp", "megatron")
-    assert spec.cells()[:2] == [(rl, "slipstream", "local"), (rl, "slipstream", "fsdp")] and len(spec.cells()) == 6
+    assert spec.cells()[:2] == [(rl, "slipstream", "local"), (rl, "slipstream", "fsdp")]
+    assert spec.cells()[3:] == [(rl, "trl", "accelerate")]  # TRL's one engine, one row
     # warmup_steps defaults to 1, overrides to none, the name to the recipe's stem
     d = parse_spec(_spec({"recipe": DEMO, "steps": 2, "name": "mine"})).rl_step
     assert (d.warmup_steps, d.overrides, d.name) == (1, (), "mine")
@@ -113,6 +117,7 @@ def test_step_statistics_by_hand():
     assert set(phases) == {"rollout", "actor_train", "step"}
     t = phases["actor_train"]
     assert (t["time_s"], t["time_min_s"], t["time_max_s"], t["peak_memory_gib"]) == (1.0, 0.5, 1.5, 4.0)
+    # exact arithmetic: measured 0 (default rel 1e-6)
     assert t["rel_spread"] == pytest.approx((1.5 - 0.5) / 1.0) and t["tflops"] == 2.0 and t["mfu"] is None
     assert phases["rollout"]["peak_memory_gib"] is None
     # a metric missing from one timed step is left out rather than summarised over fewer steps
@@ -135,9 +140,9 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
     rows = run_matrix(spec, out)
     assert read_rows(out) == json.loads(json.dumps(rows))
     by_cell = {r["cell"]: r for r in rows}
-    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "ok", "ok",
-                                           "not-applicable", "not-available", "not-available", "not-available"]
-    assert "TRL has no Megatron engine" in by_cell["demo/trl/megatron"]["reason"]
+    # TRL has one engine: one row, labelled with what runs (accelerate), not once per slipstream backend
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "ok", "not-available", "not-available", "not-available"]
+    assert [r["cell"] for r in rows if r["framework"] == "trl"] == ["demo/trl/accelerate"]
     assert "rl-step adapter for verl not written yet" in by_cell["demo/verl/local"]["reason"]
     for r in rows:
         assert tuple(r) == ROW_KEYS and r["mode"] == "rl-step"
@@ -151,7 +156,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
         if r["status"] != "ok":
             assert r["phases"] == {} and r["metrics"] == {} and r["reason"]
     local, fsdp, mega = (by_cell[f"demo/slipstream/{b}"] for b in ("local", "fsdp", "megatron"))
-    trl_local = by_cell["demo/trl/local"]
+    trl_local = by_cell["demo/trl/accelerate"]
     # TRL's own GRPOTrainer on the same recipe: one optimizer step per 32 completions, dapo == token-mean
     assert trl_local["impl"]["name"] == "trl" and trl_local["impl"]["grpo_config"]["loss_type"] == "dapo"
     assert trl_local["impl"]["grpo_config"]["per_device_train_batch_size"] == 32
@@ -170,6 +175,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
             assert s >= ro + tr
         assert 0 <= m["perf/wait_time_ratio"]["median"] <= 1
         # MFU against the 1 TFLOP/s override equals the TFLOP/s figure, step by step
+        # exact arithmetic (peak 1e12 FLOP/s): measured 0
         assert m["perf/actor_train_mfu"]["values"] == pytest.approx(m["perf/actor_train_tflops"]["values"])
         assert not any(k.startswith("perf/max_memory_allocated_gb/") for k in m)
         assert len(m["reward/mean"]["all_steps"]) == 3
@@ -183,7 +189,7 @@ def test_tiny_rl_step_matrix_end_to_end(tmp_path):
     paths = write_matrix_report(out, tmp_path / "report")
     md = paths["markdown"].read_text()
     assert "# Benchmark matrix (rl-step)" in md and "| demo (tiny) | slipstream | fsdp | ok |" in md
-    assert "| demo (tiny) | trl | local | ok |" in md
+    assert "| demo (tiny) | trl | accelerate | ok |" in md
     assert "- `demo/verl/fsdp` **not-available**: rl-step adapter for verl not written yet" in md
     assert "not measured (it is read from the CUDA allocator)" in md
     for name in ("phases", "mfu", "memory"):

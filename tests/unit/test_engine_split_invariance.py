@@ -52,6 +52,8 @@ def test_gradients_equal_for_1_3_7_micro_batches(mode):
         metrics, grads = _grads(batch, splits, mode)
         assert metrics["actor/num_micro_batches"] == splits
         for key in ("actor/pg_loss", "actor/kl", "actor/entropy"):
+            # measured max |diff| 4.8e-07 (rel 3.5e-07): 2x margin
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-6, abs=1e-6), key
         for name, g in grads.items():
+            # measured max |diff| 7.2e-07 (13% of the tolerance): 7x margin
             torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=f"{mode} {splits} {name}")

@@ -38,7 +38,8 @@ def test_jsonl_writes_flushes_and_appends(tmp_path):
     assert len(first) == 1
     assert first[0]["step"] == 1 and first[0]["reward/mean"] == 0.5
     assert first[0]["actor/kl"] is None and first[0]["perf/step_time"] is None
-    assert first[0]["time"] == pytest.approx(__import__("time").time(), abs=60)
+    # the record carries the wall-clock time of logging: measured 1.4e-04 s; 5 s allows a slow CI machine
+    assert first[0]["time"] == pytest.approx(__import__("time").time(), abs=5)
     sink.close()
     # A resumed run appends to the same file.
     sink = JsonlSink(path)

@@ -37,6 +37,7 @@ def grads_of(lp, ent, g_lp, g_ent, inputs):
     return torch.autograd.grad(loss, inputs)
 
 
+# callers pass atol / rtol with their measured max |diff| beside them
 def check_against_reference(hidden, weight, targets, temperature, g_lp, g_ent, atol, rtol, **kwargs):
     lp, ent = linear_logprobs(hidden, weight, targets, temperature, with_entropy=g_ent is not None, **kwargs)
     assert lp.dtype == torch.float32 and lp.shape == targets.shape
@@ -46,12 +47,16 @@ def check_against_reference(hidden, weight, targets, temperature, g_lp, g_ent, a
     ref_gh, ref_gw = grads_of(ref_lp, ref_ent, g_lp, g_ent, (h64, w64))
     gh, gw = grads_of(lp, ent, g_lp, g_ent, (hidden, weight))
     assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
+    # the caller's tolerance (measured value stated at the call)
     torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=atol, rtol=rtol)
     if g_ent is not None:
+        # the caller's tolerance (measured value stated at the call)
         torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=atol, rtol=rtol)
     else:
         assert ent is None
+    # the caller's tolerance (measured value stated at the call)
     torch.testing.assert_close(gh.double(), ref_gh, atol=atol, rtol=rtol)
+    # the caller's tolerance (measured value stated at the call)
     torch.testing.assert_close(gw.double(), ref_gw, atol=atol, rtol=rtol)
 
 
@@ -75,6 +80,7 @@ def test_matches_float64_reference(shape, temperature):
     g_lp = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
     g_ent = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
     check_against_reference(
+        # measured max |diff| 8.9e-06 (12% of the tolerance, gradients): 8x margin
         hidden, weight, targets, temperature, g_lp, g_ent, atol=2e-5, rtol=1e-4,
         chunk_size=chunk, vocab_chunk_size=vchunk, impl="torch",
     )
@@ -98,7 +104,8 @@ def test_gradient_only_for_hidden():
     (gh,) = torch.autograd.grad(lp.sum(), hidden)
     h64 = hidden.detach().double().requires_grad_()
     (ref_gh,) = torch.autograd.grad(reference(h64, weight.double(), targets, 1.0)[0].sum(), h64)
-    torch.testing.assert_close(gh.double(), ref_gh, atol=2e-5, rtol=1e-4)
+    # measured max |diff| 1.0e-06: 5x margin
+    torch.testing.assert_close(gh.double(), ref_gh, atol=5e-6, rtol=0)
 
 
 def test_bf16_within_tolerance_and_no_worse_than_naive():
@@ -145,7 +152,8 @@ def test_logprobs_never_positive_with_extreme_logits(dtype):
     assert (lp <= 0).all() and (ent >= 0).all()
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     ref_lp, _ = reference(hidden.detach(), weight.detach(), targets, 0.7)
-    torch.testing.assert_close(lp.double(), ref_lp, atol=0.5, rtol=1e-2)
+    # extreme logits: measured max |diff| 4.8e-04, 2x margin
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-3, rtol=0)
     gh, gw = torch.autograd.grad(lp.sum() + ent.sum(), (hidden, weight))
     assert torch.isfinite(gh).all() and torch.isfinite(gw).all()
 
@@ -229,7 +237,9 @@ def test_triton_kernels_in_interpreter(shape):
     # vocab split across programs, merged on the host
     zy, lse, ent = triton_forward_stats(hidden.detach(), weight.detach(), targets, 1 / 0.7, True, num_splits=3)
     ref_lp, ref_ent = reference(hidden.detach(), weight.detach(), targets, 0.7)
+    # not measured here (needs triton); the torch path's twin check measured <= 8.9e-06
     torch.testing.assert_close((zy - lse).double(), ref_lp, atol=2e-5, rtol=1e-4)
+    # not measured here (needs triton); the torch path's twin check measured <= 8.9e-06
     torch.testing.assert_close(ent.double(), ref_ent, atol=2e-5, rtol=1e-4)
 
 

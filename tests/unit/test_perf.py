@@ -63,8 +63,10 @@ def test_matmul_params_match_transformers_linear_weights():
 def test_train_flops_tiny_by_hand():
     # 6*N*(10+20) + 6*L*H*d*(10^2+20^2) = 6*22528*30 + 6*2*4*8*500 = 4,055,040 + 192,000
     assert train_flops(TINY, [10, 20]) == 4_247_040.0
+    # exact arithmetic: measured 0
     assert forward_flops(TINY, [10, 20]) == pytest.approx(4_247_040 / 3, rel=1e-15)
     assert train_flops(TINY, []) == 0.0
+    # exact arithmetic: measured 0
     assert flops_per_token(TINY, 10) == pytest.approx((6 * 22528 * 10 + 6 * 2 * 4 * 8 * 100) / 10)
 
 
@@ -134,6 +136,7 @@ def test_device_peak_flops_override_and_unknown(caplog):
 
 def test_mfu():
     # 989e12 FLOPs in 2 s on a 989e12 peak -> 50%.
+    # exact arithmetic: measured 0
     assert mfu(989e12, 2.0, 989e12) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         mfu(1.0, 0.0, 989e12)
@@ -212,9 +215,12 @@ def test_phase_timer_peak_memory_per_phase_with_nesting():
             probe.free(2 * gib)
     s = timer.summary()
     # Each phase's own peak, not polluted by the previous one (peak reset at phase start) ...
+    # exact arithmetic: measured 0
     assert s["perf/max_memory_allocated_gb/rollout"] == pytest.approx(6.0)
+    # exact arithmetic: measured 0
     assert s["perf/max_memory_allocated_gb/actor_train"] == pytest.approx(3.0)
     # ... while the enclosing step still sees the highest peak inside it.
+    # exact arithmetic: measured 0
     assert s["perf/max_memory_allocated_gb/step"] == pytest.approx(6.0)
     # Two syncs per phase (enter, exit), and nowhere else.
     assert probe.syncs == 6
@@ -247,18 +253,27 @@ def test_perf_metrics_by_hand():
     }
     # Keyword form, as the controller calls it.
     out = perf_metrics(TINY, seq_lens=seq_lens, times=times, world_size=2, peak_flops=1e6, response_lens=[4, 8, 12])
+    # exact arithmetic: measured 0
     assert out["perf/peak_tflops"] == pytest.approx(1e-6)
     # per GPU: 4,247,040 / 2 / 2 s = 1,061,760 FLOP/s
+    # exact arithmetic: measured 0
     assert out["perf/actor_train_tflops"] == pytest.approx(1_061_760 / 1e12)
+    # exact arithmetic: measured 0
     assert out["perf/actor_train_mfu"] == pytest.approx(1.06176)
+    # exact arithmetic: measured 0
     assert out["perf/actor_train_tok_per_s"] == pytest.approx(30 / 2 / 2.0)
     # forward = 1,415,680 FLOPs; / 2 GPUs / 0.5 s and / 0.25 s
+    # exact arithmetic: measured 0
     assert out["perf/log_probs_tflops"] == pytest.approx(1_415_680 / 2 / 0.5 / 1e12)
+    # exact arithmetic: measured 0
     assert out["perf/ref_log_probs_tflops"] == pytest.approx(1_415_680 / 2 / 0.25 / 1e12)
     # trainer busy 0.5 + 0.25 + 2 + 0.25 = 3 of 10 s -> idle 70%
+    # exact arithmetic: measured 0
     assert out["perf/wait_time_ratio"] == pytest.approx(0.7)
     # 24 response tokens / 4 s / 2 GPUs; longest 12 / 4 s
+    # exact arithmetic: measured 0
     assert out["perf/rollout_tokens_per_gpu_per_s"] == pytest.approx(3.0)
+    # exact arithmetic: measured 0
     assert out["perf/longest_sample_tokens_per_s"] == pytest.approx(3.0)
 
 
@@ -266,8 +281,10 @@ def test_perf_metrics_partial_inputs():
     # No peak, no rollout, two PPO passes, separate rollout GPUs not used: only what can be computed.
     out = perf_metrics(TINY, [10, 20], {"actor_train": 1.0}, train_passes=2)
     assert set(out) == {"perf/actor_train_tflops", "perf/actor_train_tok_per_s"}
+    # exact arithmetic: measured 0
     assert out["perf/actor_train_tok_per_s"] == pytest.approx(60.0)
     out = perf_metrics(TINY, [], {"rollout": 2.0, "step": 2.5, "actor_train": 3.0}, response_lens=[6], rollout_num_gpus=3)
+    # exact arithmetic: measured 0
     assert out["perf/rollout_tokens_per_gpu_per_s"] == pytest.approx(1.0)
     assert out["perf/wait_time_ratio"] == 0.0  # clamped: phases timed apart from the step
     with pytest.raises(ValueError, match="world_size"):

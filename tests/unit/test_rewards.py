@@ -147,9 +147,11 @@ def test_register_and_combined_reward():
     try:
         combo = CombinedReward([("math", 2.0), ("format", 0.5), ("test_length", 0.1)])
         total, info = combo.score("so \\boxed{7}", "7", "")
+        # exact arithmetic: measured 0
         assert total == pytest.approx(2.0 * 1 + 0.5 * 1 + 0.1 * len("so \\boxed{7}"))
         assert info == {"math": 1.0, "format": 1.0, "test_length": float(len("so \\boxed{7}"))}
         total, _ = combo.score("it is 8", "7", "")
+        # exact arithmetic: measured 0
         assert total == pytest.approx(0.1 * 7)
         with pytest.raises(ValueError, match="must not contain ':'"):
             register_reward("a:b", math_reward)

@@ -34,13 +34,19 @@ PEERS: dict[str, PeerInfo] = {
         install="pip install trl==1.16.0 'torch==<installed version>'",
         note="trl 1.16.0 needs transformers>=4.56.2 and accelerate; developed against trl 1.16.0.",
     ),
+    "liger-kernel": PeerInfo(
+        name="liger-kernel",
+        module="liger_kernel",
+        # A 0.9 MB pure-Python + Triton wheel; the GPU machine gets it carried (bench/gpu_setup.sh).
+        install="pip install --no-deps liger-kernel==0.8.5",
+        note="TRL's use_liger_kernel=True needs it; its kernels are Triton, so the cell runs on a GPU only.",
+    ),
     "verl": PeerInfo(
         name="verl",
         module="verl",
         install=(
-            "bash bench/peers_verl_wheels.sh gpu && pip install --no-index --no-deps --target /tmp/verl-site "
-            ".whl/verl/*.whl && export SLIPSTREAM_VERL_SITE=/tmp/verl-site "
-            "(Python 3.11 here: bash bench/peers_verl_wheels.sh local /tmp/verl-site)"
+            "bash bench/gpu_setup.sh download, carry .whl, then on the GPU machine: source bench/gpu_setup.sh install "
+            "(sets SLIPSTREAM_VERL_SITE); for this python: bash bench/gpu_setup.sh verl-local DIR"
         ),
         note=(
             "verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, which conflict with slipstream's "

@@ -34,7 +34,7 @@ import torch
 from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
-from slipstream.bench.matrix import CellSettings, TrlSettings
+from slipstream.bench.settings import CellSettings, TrlSettings
 from slipstream.bench.naive import build_hf_model, paired_models
 from slipstream.bench.peers import missing_result, peer_version
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch
@@ -96,7 +96,7 @@ def trl_inputs(batch: PackedBatch, pad_token_id: int, pad_to_multiple_of: int | 
 
 def build_trl_trainer(
     model, w: Workload, output_dir: str, per_device_train_batch_size: int = 8, loss_type: str = "dapo",
-    gradient_checkpointing: bool = True, bf16: bool = True,
+    gradient_checkpointing: bool = True, bf16: bool = True, use_liger_kernel: bool = False,
 ):  # fmt: skip
     """A GRPOTrainer around `model`, set up as `trainer.train()` would be before its first step."""
     from datasets import Dataset
@@ -112,13 +112,15 @@ def build_trl_trainer(
         output_dir=output_dir, per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=accumulation, num_generations=w.group_size,
         max_completion_length=w.response_len[1], loss_type=loss_type,
-        gradient_checkpointing=gradient_checkpointing, bf16=bf16, use_cpu=on_cpu,
+        gradient_checkpointing=gradient_checkpointing, bf16=bf16, use_cpu=on_cpu, use_liger_kernel=use_liger_kernel,
         report_to="none", save_strategy="no", logging_steps=1, seed=w.seed,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=model, reward_funcs=[_zero_reward], args=args,
         train_dataset=Dataset.from_dict({"prompt": ["x"] * w.num_seqs}), processing_class=build_char_tokenizer(),
     )  # fmt: skip
+    if use_liger_kernel:
+        _apply_liger(trainer)
     if gradient_checkpointing:
         _enable_checkpointing(trainer)
     trainer.create_optimizer_and_scheduler(num_training_steps=10_000)
@@ -126,6 +128,14 @@ def build_trl_trainer(
     trainer.current_gradient_accumulation_steps = accumulation
     trainer.model.train()
     return trainer
+
+
+def _apply_liger(trainer) -> None:
+    # What Trainer.train() does first with use_liger_kernel (this adapter never calls train()): patch
+    # Liger's layer kernels into the model instance, with GRPOTrainer's config (no fused cross-entropy).
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=trainer.model, **(trainer.args.liger_kernel_config or {}))
 
 
 def _enable_checkpointing(trainer) -> None:
@@ -190,17 +200,16 @@ def bench_trl(
     cfg = cfg or get_preset(w.preset)
     device = ts.resolve_device(settings.device)
     dtype = getattr(torch, settings.dtype)
-    checkpointing = trl.gradient_checkpointing == "on" or (
-        trl.gradient_checkpointing == "follow" and settings.recompute != "none"
-    )
+    params_dtype = getattr(torch, trl.params_dtype or settings.dtype)
+    checkpointing = trl_checkpointing(settings, trl)
     torch.manual_seed(w.seed)
     # TRL trains the parameters in the dtype they were loaded in (bf16 for released Qwen3).
-    model = build_hf_model(cfg, dtype, device)
+    model = build_hf_model(cfg, params_dtype, device)
     batch = synthetic_batch(w, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build_trl_trainer(
             model, w, out_dir, trl.per_device_train_batch_size, trl.loss_type, checkpointing,
-            bf16=dtype == torch.bfloat16,
+            bf16=dtype == torch.bfloat16, use_liger_kernel=trl.use_liger_kernel,
         )  # fmt: skip
         full, micro = trl_micro_batches(trainer, batch, device)
         losses: list[torch.Tensor] = []
@@ -233,8 +242,13 @@ def bench_trl(
             "padded_tokens": [int(m["prompt_ids"].numel() + m["completion_ids"].numel()) for m in micro],
         },
         "fairness": {
+            "engine": "transformers Trainer on accelerate (no FSDP)"
+            + (", Liger layer kernels (RMSNorm, SwiGLU, RoPE)" if trl.use_liger_kernel else ""),
+            "processes": 1,
+            "compile": "no",
             "dtype": settings.dtype,
-            "params_dtype": f"{settings.dtype} parameters and AdamW state (as loaded), accelerate autocast",
+            "params_dtype": f"{str(params_dtype).removeprefix('torch.')} parameters and AdamW state, "
+            + (f"{settings.dtype} autocast" if params_dtype != dtype else "no master copy"),
             "attention_kernel": f"{attn} (padded rows, attention mask)",
             "recompute": "full (HF gradient checkpointing, every layer)" if checkpointing else "none",
             "real_tokens": real,
@@ -255,6 +269,7 @@ def bench_trl(
                 "loss_type": args.loss_type, "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "gradient_checkpointing": checkpointing, "bf16": args.bf16, "optim": _enum_value(args.optim),
+                "use_liger_kernel": args.use_liger_kernel, "params_dtype": str(params_dtype).removeprefix("torch."),
                 "beta": args.beta, "epsilon": args.epsilon, "epsilon_high": args.epsilon_high,
                 "temperature": args.temperature, "attn_implementation": attn, "device": str(device),
                 "repeats": settings.repeats, "warmup": settings.warmup,
@@ -285,10 +300,17 @@ def _version(module: str) -> str | None:
         return None
 
 
+def trl_checkpointing(settings: CellSettings, trl: TrlSettings) -> bool:
+    """Whether the TRL cell turns HF gradient checkpointing on (full recompute of every layer)."""
+    return trl.gradient_checkpointing == "on" or (trl.gradient_checkpointing == "follow" and settings.recompute != "none")
+
+
 def run_trl_cell(w: Workload, settings: CellSettings, trl: TrlSettings) -> dict:
-    """The matrix cell for TRL: "missing" (with the install command) when trl is not installed."""
+    """The matrix cell for TRL: "missing" (with the install command) when trl, or liger-kernel if asked for, is not."""
     if peer_version("trl") is None:
         return missing_result("trl")
+    if trl.use_liger_kernel and peer_version("liger-kernel") is None:
+        return missing_result("liger-kernel")
     return bench_trl(w, settings, trl)
 
 

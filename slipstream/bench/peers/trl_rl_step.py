@@ -97,14 +97,17 @@ def reward_function(cfg, task):
 
 
 def run_trl_rl_step_cell(rl, settings, backend: str) -> dict:
-    """`rl.steps` steps of TRL's GRPOTrainer on the rl-step recipe; the cell's result (or an explained row)."""
-    if backend == "megatron":
-        return {"status": "not-applicable", "reason": "TRL has no Megatron engine (it trains through accelerate)"}
+    """`rl.steps` steps of TRL's GRPOTrainer on the rl-step recipe; the cell's result (or an explained row).
+
+    TRL has one engine (transformers' Trainer on accelerate, one process here), so the matrix runs this
+    once per recipe, under the backend label "accelerate".
+    """
     if peer_version("trl") is None:
         return missing_result("trl")
     import torch
 
-    from slipstream.bench.rl_step import cell_config, step_statistics
+    from slipstream.bench.rl_step import step_statistics
+    from slipstream.bench.spec import cell_config
 
     with tempfile.TemporaryDirectory(prefix="slipstream-trl-rl-step-") as tmp:
         cfg = cell_config(rl, settings, "local", f"{tmp}/run")
@@ -120,6 +123,8 @@ def run_trl_rl_step_cell(rl, settings, backend: str) -> dict:
     metrics, phases = step_statistics(per_step, rl.warmup_steps)
     r = cfg.rollout
     fairness = {
+        "engine": "transformers Trainer on accelerate (no FSDP)",
+        "processes": 1,
         "dtype": cfg.model.dtype,
         "attention_kernel": "train and generation: HF sdpa over padded batches",
         "recompute": "gradient checkpointing" if cfg.actor.activation_checkpointing != "none" else "none",

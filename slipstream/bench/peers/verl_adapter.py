@@ -2,9 +2,9 @@
 
 Why a subprocess: verl 0.9.1 pins transformers<5.11 and tensordict<=0.10 (slipstream runs
 transformers 5.17 on the GPU machine, 5.24 here), so verl lives in its own site directory
-(`bench/peers_verl_wheels.sh` builds it from wheels) named by `peers.verl.site_dir` or the
+(`bench/gpu_setup.sh` builds it from wheels) named by `peers.verl.site_dir` or the
 environment variable SLIPSTREAM_VERL_SITE. verl_runner.py runs with PYTHONPATH =
-<site>:<stand-ins>:<repo root> and no other PYTHONPATH; slipstream's own cells never see it.
+<site>:<stand-ins>:<slipstream> and no other PYTHONPATH; slipstream's own cells never see it.
 
 What is timed (verl_runner.py; CUDA events, warm-up discarded, peak memory reset per call):
   actor_train  RayPPOTrainer._update_actor's body without Ray: the rollout-shaped DataProto ->
@@ -21,15 +21,20 @@ The host-to-device copies of each micro-batch happen inside verl's engine and ar
 Configuration (recorded in the row's impl.config): verl's FSDP engine (strategy `fsdp` = FSDP1
 by default, `fsdp2` via the spec), world size 1, fp32 master weights with FSDP MixedPrecision
 bf16 params and bf16 autocast (verl's defaults), HF gradient checkpointing when recompute is not
-"none", attn_implementation=sdpa on verl's PADDED path (use_remove_padding=False): the
-remove-padding path needs flash-attn, which the GPU machine lacks and cannot carry; verl's
-fused flash-attn cross-entropy is absent for the same reason, so log-probs use its
-log_softmax + gather fallback. AdamW lr 1e-6, weight decay 0.01, clip 1.0: verl's ppo_trainer.yaml.
+"none". Attention, two configurations:
+  - padded: attn_implementation=sdpa, use_remove_padding=False (verl's default without flash-attn);
+  - remove-padding, as verl's users run it: use_remove_padding=True with attn_implementation
+    "torch_varlen" (peers/verl_varlen.py), verl's own varlen call over one packed row served by
+    torch's bundled FlashAttention-2 instead of flash-attn (which cannot be built here), and
+    optionally use_fused_kernels (verl's fused LM head + log-prob / entropy, "torch" or "triton").
+Without fused kernels, log-probs come from full logits (flash-attn's cross-entropy is absent, so
+verl's log_softmax + gather fallback runs). AdamW lr 1e-6, wd 0.01, clip 1.0: verl's ppo_trainer.yaml.
 
 Environment workarounds, all listed in the row (impl.workarounds):
-  - import-only stand-ins (peers/stubs) for ray, uvicorn, fastapi and pydantic: verl imports them
-    at module load (protocol.py, single_controller, checkpoint_engine -> rollout utils) but the
-    timed path never calls them; any call or instantiation raises StandInUsed;
+  - import-only stand-ins (peers/standin.py, written into a temporary directory per run) for ray,
+    uvicorn, fastapi and pydantic: verl imports them at module load (protocol.py, single_controller,
+    checkpoint_engine -> rollout utils) but the timed path never calls them; any call or
+    instantiation raises StandInUsed;
   - trl hidden from the verl process (verl pins trl==0.27 and only patches a critic-side class);
   - rollout skipped: the pre-built batch stands in for verl's rollout output; RayPPOTrainer's
     bodies are replayed without Ray (they only convert the batch and call the worker).
@@ -49,17 +54,17 @@ from pathlib import Path
 import torch
 
 from slipstream.bench import train_step as ts
-from slipstream.bench.matrix import CellSettings, VerlSettings
+from slipstream.bench.settings import CellSettings, VerlSettings
 from slipstream.bench.peers import PEERS, missing_result
+from slipstream.bench.peers.standin import STANDINS, write_standin_site
 from slipstream.bench.workloads import Workload, seq_lens
 from slipstream.models.presets import get_preset
 from slipstream.perf.flops import forward_flops, train_flops
 
 SITE_ENV = "SLIPSTREAM_VERL_SITE"
 """Environment variable naming verl's site directory when the spec's peers.verl.site_dir is unset."""
-STUBS_DIR = Path(__file__).resolve().parent / "stubs"
-REPO_ROOT = Path(__file__).resolve().parents[3]
-STANDINS = ("ray", "uvicorn", "fastapi", "pydantic")
+SLIPSTREAM_ROOT = Path(__file__).resolve().parents[3]
+"""The directory holding the `slipstream` package (the repository, or site-packages when installed)."""
 
 MEGATRON_REASON = (
     "verl 0.9.1's Megatron engine cannot run on the GPU machine: MegatronEngine asserts use_mbridge=True and "
@@ -70,8 +75,8 @@ MEGATRON_REASON = (
     "transformers<5.9, flashinfer and nvidia-resiliency-ext)"
 )
 WORKAROUNDS = (
-    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (slipstream/bench/peers/stubs): imported at verl "
-    "module load, never called on the timed path (a call raises)",
+    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (slipstream/bench/peers/standin.py, written to a "
+    "temporary directory): imported at verl module load, never called on the timed path (a call raises)",
     "trl hidden from the verl process (verl 0.9.1 pins trl==0.27; it only patches a critic value-head class)",
     "rollout skipped: the pre-built batch stands in for verl's rollout output (left-padded prompts, right-padded "
     "responses)",
@@ -107,10 +112,10 @@ def resolve_site(verl: VerlSettings) -> tuple[Path | None, str | None]:
     return site, None
 
 
-def runner_env(site: Path) -> dict[str, str]:
-    """The subprocess environment: verl's site first, then the stand-ins, then slipstream; nothing inherited."""
+def runner_env(site: Path, standins: Path) -> dict[str, str]:
+    """The subprocess environment: verl's site first, then the stand-ins, then slipstream; no inherited PYTHONPATH."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(STUBS_DIR), str(REPO_ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(standins), str(SLIPSTREAM_ROOT)])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -120,8 +125,9 @@ def run_runner(request: dict, site: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="slipstream-verl-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
+        standins = write_standin_site(Path(tmp) / "standins")
         cmd = [sys.executable, "-m", "slipstream.bench.peers.verl_runner", "--request", str(req), "--out", str(out)]
-        proc = subprocess.run(cmd, env=runner_env(site), cwd=REPO_ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=runner_env(site, standins), cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             if "OutOfMemoryError" in proc.stderr:
@@ -158,6 +164,8 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
         else f"{verl.micro_batch_size_per_gpu} sequences per micro-batch"
     )  # fmt: skip
     param_dtype = (engine["mixed_precision"] or {}).get("param_dtype", "bf16")
+    strategy = r["config"]["actor"]["strategy"]
+    engine_name = {"fsdp": "FSDP1", "fsdp2": "FSDP2"}.get(strategy, strategy)
     autocast = r["config"]["autocast_dtype"]  # verl skips autocast when it would be fp32
     return {
         "status": "ok",
@@ -171,11 +179,13 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
         },
         "micro_batches": mb,
         "fairness": {
+            "engine": f"verl {r['versions']['verl']} FSDP engine ({engine_name}), TrainingWorker",
+            "processes": 1,
+            "compile": f"verl use_torch_compile={verl.use_torch_compile} (its log-prob / entropy functions)",
             "dtype": settings.dtype,
             "params_dtype": f"{engine['model_dtype']} master weights, FSDP MixedPrecision {param_dtype} params, "
             + ("no autocast" if autocast == "torch.float32" else f"{autocast} autocast"),
-            "attention_kernel": f"{r['config']['model']['attn_implementation']} (padded rows, attention mask; "
-            f"use_remove_padding={verl.use_remove_padding})",
+            "attention_kernel": _attention_text(r["config"]["model"]["attn_implementation"], verl),
             "recompute": "full (HF gradient checkpointing, every layer)" if checkpointing else "none",
             "real_tokens": real,
             "padded_tokens": padded,
@@ -184,11 +194,16 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
             "mini-batch (global batch_num_tokens)",
             "optimizer": f"{optim['optimizer']} lr={optim['lr']} betas=({optim['betas'][0]},{optim['betas'][1]}) "
             f"wd={optim['weight_decay']}, grad clip {optim['clip_grad']}, fp32 state",
-            "micro_batching": f"{cutting}: {mb['count']} micro-batches, each padded to its longest sequence; "
-            "timed with verl's own batch conversion and micro-batch planning (part of its trainer step; "
+            "micro_batching": f"{cutting}: {mb['count']} micro-batches, "
+            + ("each one packed row (remove padding)" if verl.use_remove_padding else "each padded to its longest sequence")
+            + "; timed with verl's own batch conversion and micro-batch planning (part of its trainer step; "
             "slipstream plans before its timed region, ~10 ms of host time on W1)",
-            "logprob_head": "full (B, S, V) logits; log_softmax + gather (flash-attn cross-entropy absent); "
-            "log_probs phase also computes entropy from the logits",
+            "logprob_head": (
+                f"verl fused kernels ({verl.fused_kernels_backend} backend): log-probs and entropy from hidden states, "
+                "no (B, S, V) logits" if verl.use_fused_kernels
+                else "full (B, S, V) logits; log_softmax + gather (flash-attn cross-entropy absent); log_probs phase "
+                "also computes entropy from the logits"
+            ),
         },
         "impl": {
             "name": "verl",
@@ -203,6 +218,14 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
             "last_loss": r["last_update"]["loss"][-1],
         },
     }  # fmt: skip
+
+
+def _attention_text(attn: str, verl: VerlSettings) -> str:
+    if attn == "torch_varlen":
+        return ("verl's remove-padding varlen call (cu_seqlens from position ids) on torch varlen_attn, torch's "
+                "bundled FlashAttention-2, standing in for flash-attn (slipstream/bench/peers/verl_varlen.py)")  # fmt: skip
+    layout = "one packed row" if verl.use_remove_padding else "padded rows, attention mask"
+    return f"HF {attn} ({layout}; use_remove_padding={verl.use_remove_padding})"
 
 
 def run_verl_cell(w: Workload, settings: CellSettings, verl: VerlSettings, backend: str) -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.abc
 import json
 import os
 import socket
@@ -43,9 +42,11 @@ from slipstream.models.hf import config_to_hf
 from slipstream.models.presets import get_preset
 from slipstream.perf.timers import repeat_timed
 
-HIDDEN_MODULES = ("trl",)
+HIDDEN_MODULES = ("trl", "kernels")
 """Hidden from verl in the subprocess: verl 0.9.1 pins trl==0.27 and, if trl is importable, patches
-trl's value-head class (critic only) with an import that trl 1.x (slipstream's TRL cell) lacks."""
+trl's value-head class (critic only) with an import that trl 1.x (slipstream's TRL cell) lacks; the
+site's transformers 5.10 registers hub kernels at import when `kernels` is importable, and
+kernels >= 0.19 rejects its registrations (no revision given)."""
 
 
 # ---------------------------------------------------------------- layout (no verl needed)
@@ -102,13 +103,13 @@ def verl_rollout_tensors(batch: PackedBatch, pad_token_id: int = 0) -> dict[str,
 # ---------------------------------------------------------------- the verl process
 
 
-class _Hide(importlib.abc.MetaPathFinder):
-    """Makes HIDDEN_MODULES unimportable (find_spec raises, as for a package that is not installed)."""
+def _hide_modules() -> None:
+    """Make HIDDEN_MODULES look not installed: `import` raises and importlib.util.find_spec says None.
 
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in HIDDEN_MODULES:
-            raise ModuleNotFoundError(f"{name} is hidden from verl in slipstream's verl runner")
-        return None
+    A None entry in sys.modules is Python's own "not importable" marker, which both honour.
+    """
+    for name in HIDDEN_MODULES:
+        sys.modules[name] = None  # type: ignore[assignment]
 
 
 def _init_single_process_group(device: torch.device) -> None:
@@ -156,6 +157,7 @@ def build_actor(model_dir: str, w: Workload, settings: dict, verl: dict):
         path=model_dir, load_tokenizer=False, use_remove_padding=verl["use_remove_padding"],
         override_config={"attn_implementation": verl["attn_implementation"]},
         enable_gradient_checkpointing=settings["recompute"] != "none",
+        use_fused_kernels=verl["use_fused_kernels"], fused_kernel_options={"impl_backend": verl["fused_kernels_backend"]},
     )  # fmt: skip
     token_budget = verl["max_token_len_per_gpu"] or settings["max_tokens_per_mb"]
     actor = FSDPActorConfig(
@@ -231,12 +233,13 @@ def micro_batch_layout(data, verl: dict, token_budget: int) -> dict:
     )  # fmt: skip
     micro, _ = prepare_micro_batches(data=td, dp_group=None)
     lens = [m["input_ids"].offsets().diff() for m in micro]
-    # use_remove_padding=False: each micro-batch is padded to its longest sequence (prepare_model_inputs).
+    # use_remove_padding=False: each micro-batch is padded to its longest sequence (prepare_model_inputs);
+    # True: it runs as one packed row of real tokens.
     return {
         "count": len(micro),
         "num_seqs": [int(x.numel()) for x in lens],
         "real_tokens": [int(x.sum()) for x in lens],
-        "padded_tokens": [int(x.numel() * x.max()) for x in lens],
+        "padded_tokens": [int(x.sum() if verl["use_remove_padding"] else x.numel() * x.max()) for x in lens],
     }
 
 
@@ -259,12 +262,16 @@ def run(request: dict) -> dict:
     device = torch.device(settings["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    sys.meta_path.insert(0, _Hide())
+    _hide_modules()
     if device.type == "cpu":
         from slipstream.bench.peers.verl_cpu_platform import install_cpu_platform
 
         install_cpu_platform()
     _init_single_process_group(device)
+    if verl["attn_implementation"] == "torch_varlen":
+        from slipstream.bench.peers.verl_varlen import register
+
+        register(device)
     cfg = get_preset(w.preset)
     batch = synthetic_batch(w, cfg.vocab_size)
     token_budget = verl["max_token_len_per_gpu"] or settings["max_tokens_per_mb"]
@@ -314,6 +321,7 @@ def actor_summary(actor, worker) -> dict:
         "model": {
             "attn_implementation": model.hf_config._attn_implementation, "use_remove_padding": model.use_remove_padding,
             "enable_gradient_checkpointing": model.enable_gradient_checkpointing,
+            "use_fused_kernels": model.use_fused_kernels, "fused_kernel_options": model.fused_kernel_options,
         },
         "engine_class": f"{type(worker.engine).__module__}.{type(worker.engine).__name__}",
         "autocast_dtype": str(worker.engine._autocast_dtype),

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The packages the GPU machine needs for `slipstream bench suite --gpu`, as wheels carried to it.
+#
+# The GPU machine (CPython 3.12, manylinux x86_64, no internet) already has torch, transformers,
+# triton, accelerate, numpy, pandas, pyarrow, safetensors, huggingface-hub, peft, ... It lacks:
+#   megatron-core 0.16.1            slipstream's Megatron backend (`backends`, the GPU parity tests)
+#   trl 1.16.0 + datasets, dill,    the TRL rows (datasets is TRL's and verl's dependency)
+#     multiprocess
+#   liger-kernel 0.8.5              TRL's use_liger_kernel rows (pure Python + Triton, 0.9 MB)
+#   verl 0.9.1 and its pins         the verl rows, in verl's own site directory (.whl/verl): transformers
+#                                   5.10.4 (verl pins <5.11), tokenizers 0.22.2, tensordict 0.10.0 (+ orjson,
+#                                   pyvers, importlib_metadata), omegaconf 2.3 + antlr4 4.9.3 (built here: PyPI
+#                                   has only its sdist), codetiming; ray / uvicorn / fastapi / pydantic are
+#                                   not carried: slipstream/bench/peers/standin.py writes import-only stand-ins
+#
+#   bash bench/gpu_setup.sh download           here (pip + internet): .whl/*.whl and .whl/verl/*.whl (~25 MiB)
+#   source bench/gpu_setup.sh install          on the GPU machine, with .whl carried: installs into /tmp/site
+#                                              and /tmp/verl-site, exports PYTHONPATH and SLIPSTREAM_VERL_SITE
+#   bash bench/gpu_setup.sh verl-local [DIR]   a verl site for THIS python (the CPU tests of the verl cell):
+#                                              SLIPSTREAM_VERL_SITE=DIR (default build/verl-site)
+#
+# Then, on the GPU machine (results come back under $OUT; copy them to docs/results/suite-DATE/):
+#   source bench/gpu_setup.sh install && SLIPSTREAM_GIT_COMMIT=<commit> \
+#     python -m slipstream.cli bench suite --gpu --only w1 --out $OUT/suite --resume --budget-s 540
+
+PY=${PYTHON:-python3}
+SLIPSTREAM_WHEELS=(megatron-core==0.16.1 trl==1.16.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1
+                   multiprocess==0.70.19)
+VERL_WHEELS=(verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 tensordict==0.10.0 "pyvers<0.2" orjson
+             importlib_metadata omegaconf==2.3.0 codetiming==1.4.0 dill==0.4.1 datasets==5.2.0 multiprocess==0.70.19)
+# Only for a python whose environment lacks what the GPU image has (the CPU venv of this repository).
+VERL_LOCAL_EXTRA=(cloudpickle httpx httpcore peft "huggingface_hub>=1.5,<2")
+CP312=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp --abi cp312
+       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+_antlr() {  # antlr4-python3-runtime is pure Python but published only as an sdist: build its wheel
+    "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$1" antlr4-python3-runtime==4.9.3
+}
+
+case "${1:-}" in
+  download)
+    set -euo pipefail
+    cd "$(dirname "${BASH_SOURCE[0]}")/.."
+    rm -rf .whl && mkdir -p .whl/verl
+    "$PY" -m pip download -q "${CP312[@]}" -d .whl "${SLIPSTREAM_WHEELS[@]}"
+    "$PY" -m pip download -q "${CP312[@]}" -d .whl/verl "${VERL_WHEELS[@]}"
+    _antlr .whl/verl
+    du -sh .whl .whl/verl
+    ;;
+  install)
+    # sourced: no `set -e` (it would stay on in the caller's shell)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/verl-site \
+        .whl/verl/*.whl
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 SLIPSTREAM_VERL_SITE=/tmp/verl-site
+    ;;
+  verl-local)
+    set -euo pipefail
+    cd "$(dirname "${BASH_SOURCE[0]}")/.."
+    site=${2:-build/verl-site}
+    out=build/verl-wheels-py$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+    rm -rf "$out" "$site" && mkdir -p "$out"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$out" "${VERL_WHEELS[@]}" "${VERL_LOCAL_EXTRA[@]}"
+    _antlr "$out"
+    "$PY" -m pip install -q --no-index --no-deps --target "$site" "$out"/*.whl
+    echo "verl site: $site  (export SLIPSTREAM_VERL_SITE=$(cd "$site" && pwd))"
+    ;;
+  *)
+    echo "usage: bash bench/gpu_setup.sh download | source bench/gpu_setup.sh install | bash bench/gpu_setup.sh verl-local [DIR]" >&2
+    return 2 2>/dev/null || exit 2
+    ;;
+esac

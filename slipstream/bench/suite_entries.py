@@ -1,0 +1,385 @@
+"""The suite's entries: every benchmark the docs quote, each a list of rows (see suite.py).
+
+Full size is what the docs quote (one H200, bf16, warm-up 1 + 2 timed repeats); `quick` is the
+same rows CPU-sized (tiny model, fp32, one repeat), a smoke test of the plumbing that measures
+nothing. Ratios are computed in each entry's summary from rows of the same results file only,
+with the activation-recompute policy of both sides named.
+
+To add an entry: write rows(quick) -> [Row(...)] and `register(Entry(...))` it below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from slipstream.bench.registry import Entry, Row, gpu_count, register
+
+REPO = Path(__file__).resolve().parents[2]
+"""The source checkout (recipes/, bench/ and tests/ live there; an installed package has none)."""
+QUICK = dict(workloads=["tiny"], dtype="float32", max_tokens_per_mb=128, compile=False, repeats=1, warmup=0, device="cpu")
+"""The CPU-sized settings of every --quick train-step row."""
+
+
+# ---------------------------------------------------------------- row helpers
+
+
+def matrix_row(label: str, spec: dict) -> dict:
+    """One matrix cell (a spec with one workload, framework and backend) as a suite row."""
+    from slipstream.bench.matrix import run_matrix
+    from slipstream.bench.spec import parse_spec
+
+    (row,) = run_matrix(parse_spec(spec))  # errors and OOMs become rows with that status
+    return {"kind": "matrix", "label": label, **row}
+
+
+def command_row(cmd: list[str], out_json: bool = False, timeout_s: int | None = None) -> dict:
+    """Run a command from the repository root; `out_json`: it writes JSON to the path given as its last argument."""
+    missing = [c for c in cmd if c.startswith(("bench/", "tests/", "recipes/")) and not (REPO / c).exists()]
+    if missing:
+        return {"kind": "command", "status": "skipped", "reason": f"needs a source checkout ({missing[0]} not found)"}
+    with tempfile.TemporaryDirectory(prefix="slipstream-suite-") as tmp:
+        out = Path(tmp) / "out.json"
+        full = [sys.executable, *cmd, *([str(out)] if out_json else [])]
+        proc = subprocess.run(full, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        data = json.loads(out.read_text()) if out_json and out.exists() else None
+    return {
+        "kind": "command", "status": "ok" if proc.returncode == 0 else "error", "command": " ".join(cmd),
+        "returncode": proc.returncode, "output_tail": (proc.stdout + proc.stderr)[-20000:], "data": data,
+    }  # fmt: skip
+
+
+def _train_spec(
+    base: dict, framework: str, recompute: str, peers: dict | None = None, backend: str = "fsdp", **extra
+) -> dict:
+    """A one-cell train-step spec. `compile` applies to slipstream only: the other rows record it as off."""
+    spec = {**base, "frameworks": [framework], "backends": [backend], "recompute": recompute, "peers": peers or {}}
+    if framework != "slipstream":
+        spec["compile"] = False
+    return {**spec, **extra}
+
+
+def _row(name: str, label: str, spec: dict, estimate_s: int) -> Row:
+    return Row(name, lambda: matrix_row(label, spec), estimate_s)
+
+
+def recompute_of(row: dict) -> str:
+    """none / selective / full, from a matrix row's own fairness text ("full (HF gradient checkpointing ...)",
+    "megatron recompute_granularity full", "none", ...)."""
+    words = str(row["fairness"]["recompute"]).split()
+    return words[-1] if words[0] == "megatron" else words[0]
+
+
+def _ok(rows: list[dict]) -> dict[str, dict]:
+    return {r["row"]: r for r in rows if r.get("kind") == "matrix" and r["status"] == "ok"}
+
+
+def _ratio(rows: dict[str, dict], a: str, b: str, what: str) -> dict | None:
+    """tok/s of row a over row b with both recompute policies and peak memories, or None when either is missing."""
+    if a not in rows or b not in rows:
+        return None
+    ta, tb = rows[a]["phases"]["actor_train"], rows[b]["phases"]["actor_train"]
+    return {
+        "what": what, "rows": [a, b], "recompute": [recompute_of(rows[a]), recompute_of(rows[b])],
+        "tok_per_s": [ta["tok_per_s"], tb["tok_per_s"]], "ratio": ta["tok_per_s"] / tb["tok_per_s"],
+        "peak_gib": [ta["peak_memory_gib"], tb["peak_memory_gib"]],
+    }  # fmt: skip
+
+
+def _best(rows: dict[str, dict], prefix: str) -> str | None:
+    names = [n for n in rows if n.startswith(prefix)]
+    return max(names, key=lambda n: rows[n]["phases"]["actor_train"]["tok_per_s"]) if names else None
+
+
+# ---------------------------------------------------------------- W1: the training step against every peer
+
+
+def w1_rows(workload: str, quick: bool) -> list[Row]:
+    """slipstream (recompute none / full / full + bf16 master), naive HF (none / full), TRL's four
+    configurations, verl at its best (none / full), and the fused log-prob op's memory (entropy off / on)."""
+    from slipstream.bench.train_step import logprob_memory_check
+
+    if quick:
+        base, trl_mbs, naive_mbs, verl_backend = QUICK, 4, 3, "torch"
+        op = dict(num_tokens=512, vocab_size=1000, hidden_size=32, dtype_name="float32", device="cpu")
+    else:
+        base = dict(workloads=[workload], dtype="bfloat16", max_tokens_per_mb=32768, compile=True, repeats=2, warmup=1)
+        trl_mbs, naive_mbs, verl_backend = 8, 4, "triton"
+        op = dict(num_tokens=65536, vocab_size=151936, hidden_size=2048, dtype_name="bfloat16", device=None)
+    trl = {"per_device_train_batch_size": trl_mbs}
+    # verl as its users run it: remove padding (varlen attention, here torch's kernel) and fused log-prob kernels
+    verl = {"strategy": "fsdp2", "attn_implementation": "torch_varlen", "use_remove_padding": True,
+            "use_fused_kernels": True, "fused_kernels_backend": verl_backend, "use_dynamic_bsz": True,
+            "use_torch_compile": not quick}  # fmt: skip
+    bf16 = {"dtype": "bfloat16"} if quick else {}  # bf16 master weights need bf16 compute
+
+    def op_row(with_entropy: bool) -> dict:
+        import torch
+
+        kwargs = {k: v for k, v in op.items() if k != "dtype_name"}
+        result = logprob_memory_check(**kwargs, dtype=getattr(torch, op["dtype_name"]), with_entropy=with_entropy)
+        return {**result, "kind": "logprob_op", "status": "ok"}
+
+    return [
+        _row("slipstream-none", "slipstream", _train_spec(base, "slipstream", "none"), 150),
+        _row("slipstream-full", "slipstream", _train_spec(base, "slipstream", "full"), 150),
+        _row("slipstream-full-bf16-master", "slipstream, bf16 master",
+             _train_spec(base, "slipstream", "full", master_dtype="bfloat16", **bf16), 150),
+        _row("naive-none", "naive HF", _train_spec(base, "naive", "none", {"naive": {"micro_batch_size": naive_mbs}}), 90),
+        _row("naive-full", "naive HF", _train_spec(base, "naive", "full", {"naive": {"micro_batch_size": naive_mbs}}), 90),
+        _row("trl-ckpt", "TRL (defaults)", _train_spec(base, "trl", "full", {"trl": trl}), 110),
+        _row("trl-no-ckpt", "TRL", _train_spec(base, "trl", "none", {"trl": trl}), 110),
+        _row("trl-liger-ckpt", "TRL + Liger", _train_spec(base, "trl", "full", {"trl": {**trl, "use_liger_kernel": True}}), 110),
+        _row("trl-liger-no-ckpt", "TRL + Liger",
+             _train_spec(base, "trl", "none", {"trl": {**trl, "use_liger_kernel": True}}), 110),
+        _row("verl-full", "verl (remove padding, fused kernels)", _train_spec(base, "verl", "full", {"verl": verl}), 150),
+        _row("verl-none", "verl (remove padding, fused kernels)", _train_spec(base, "verl", "none", {"verl": verl}), 150),
+        Row("logprob-op", lambda: op_row(False), 30),
+        Row("logprob-op-entropy", lambda: op_row(True), 30),
+    ]  # fmt: skip
+
+
+def w1_summary(rows: list[dict]) -> dict:
+    """Like-for-like ratios from this file: slipstream vs naive at equal recompute, vs the best TRL and verl rows."""
+    ok = _ok(rows)
+    ratios = [
+        _ratio(ok, "slipstream-none", "naive-none", "slipstream vs naive HF, no recompute on either side"),
+        _ratio(ok, "slipstream-full", "naive-full", "slipstream vs naive HF, full recompute on both"),
+    ]
+    for peer in ("trl", "verl"):
+        best = _best(ok, f"{peer}-")
+        if best:
+            same = f"slipstream-{recompute_of(ok[best])}"
+            ratios.append(_ratio(ok, same, best, f"slipstream vs {peer} at its best ({best}), same recompute"))
+            fastest = _best(ok, "slipstream-")
+            if fastest and fastest != same:
+                ratios.append(_ratio(ok, fastest, best, f"fastest slipstream row vs {peer} at its best ({best})"))
+    ops = {r["row"]: r for r in rows if r.get("kind") == "logprob_op" and r["status"] == "ok"}
+    return {
+        "ratios": [r for r in ratios if r],
+        "best": {peer: _best(ok, f"{peer}-") for peer in ("trl", "verl")},
+        "logprob_op_extra_gib": {name: r["extra_peak_gib"] for name, r in ops.items()},
+    }
+
+
+# ---------------------------------------------------------------- slipstream alone: model sizes, backends, memory
+
+
+def sizes_rows(quick: bool) -> list[Row]:
+    """slipstream fsdp + compile on W1's lengths at three other model sizes (the 8B needs bf16 master weights)."""
+    if quick:
+        return [_row("tiny-none", "slipstream", _train_spec(QUICK, "slipstream", "none"), 30)]
+    base = dict(dtype="bfloat16", max_tokens_per_mb=32768, compile=True, repeats=2, warmup=1)
+    return [
+        _row("w1-0.6b-none", "slipstream", _train_spec({**base, "workloads": ["W1-0.6b"]}, "slipstream", "none"), 120),
+        _row("w1-4b-selective", "slipstream", _train_spec({**base, "workloads": ["W1-4b"]}, "slipstream", "selective"), 200),
+        _row("w1-8b-full-bf16-master", "slipstream, bf16 master", _train_spec(
+            {**base, "workloads": ["W1-8b"], "max_tokens_per_mb": 16384}, "slipstream", "full", master_dtype="bfloat16"
+        ), 300),
+    ]  # fmt: skip
+
+
+def backends_rows(quick: bool) -> list[Row]:
+    """slipstream on FSDP2 (compiled and eager) and on megatron-core, W1, full recompute, the same budget."""
+    base = QUICK if quick else dict(workloads=["W1"], dtype="bfloat16", max_tokens_per_mb=32768, repeats=2, warmup=1)
+    return [
+        _row("fsdp-full-compile", "slipstream", _train_spec({**base, "compile": not quick}, "slipstream", "full"), 150),
+        _row("fsdp-full-eager", "slipstream", _train_spec({**base, "compile": False}, "slipstream", "full"), 120),
+        _row("megatron-full", "slipstream", _train_spec(base, "slipstream", "full", backend="megatron"), 150),
+    ]
+
+
+def backends_summary(rows: list[dict]) -> dict:
+    ok = _ok(rows)
+    ratios = [
+        _ratio(ok, "megatron-full", "fsdp-full-eager", "megatron vs FSDP2, both eager, full recompute"),
+        _ratio(ok, "megatron-full", "fsdp-full-compile", "megatron (eager) vs FSDP2 + compile, full recompute"),
+    ]
+    return {"ratios": [r for r in ratios if r]}
+
+
+def memory_curve_rows(quick: bool) -> list[Row]:
+    """Peak memory of one fwd+bwd micro-batch against its token count (fsdp, full recompute, AdamW state held)."""
+    from slipstream.bench.train_step import memory_curve
+
+    def run() -> dict:
+        import torch
+
+        if quick:
+            r = memory_curve("tiny", [64, 128], seq_len=64, backend="fsdp", dtype=torch.float32, device="cpu",
+                             activation_checkpointing="full")  # fmt: skip
+        else:
+            tokens = [16384, 32768, 49152, 65536, 98304, 131072]  # AReaL #193 ran 30,720 and OOMed at 61,440
+            r = memory_curve("qwen3-1.7b", tokens, backend="fsdp", activation_checkpointing="full")
+        return {**r, "kind": "memory_curve", "status": "ok"}
+
+    return [Row("qwen3-1.7b-fsdp-full" if not quick else "tiny-fsdp-full", run, 150)]
+
+
+# ---------------------------------------------------------------- GPU tools: profiles, kernels, the GPU tests
+
+
+def profile_rows(quick: bool) -> list[Row]:
+    """Kernel time per category of one W1 update (bench/profile_step.py)."""
+    base = ["bench/profile_step.py", "--workload", "W1", "--max-tokens-per-mb", "32768"]
+    configs = {
+        "fsdp-none-compile": ["--backend", "fsdp", "--compile"],
+        "fsdp-full-compile": ["--backend", "fsdp", "--compile", "--activation-checkpointing", "full"],
+        "megatron-full": ["--backend", "megatron", "--activation-checkpointing", "full"],
+    }
+    return [Row(n, lambda a=a: command_row([*base, *a, "--out"], out_json=True), 150) for n, a in configs.items()]
+
+
+def attention_rows(quick: bool) -> list[Row]:
+    """varlen (torch's FlashAttention-2) vs flex_attention on W1's lengths (bench/bench_attention.py)."""
+    return [Row("varlen-vs-flex", lambda: command_row(["bench/bench_attention.py", "--out"], out_json=True), 60)]
+
+
+def logprob_kernel_rows(quick: bool) -> list[Row]:
+    """Fused log-prob (+ entropy) implementations against full fp32 logits (bench/bench_logprobs.py)."""
+    return [Row("sizes", lambda: command_row(["bench/bench_logprobs.py", "--out"], out_json=True), 120)]
+
+
+def gpu_test_rows(quick: bool) -> list[Row]:
+    """`pytest -s tests/gpu`: parity tests (Megatron vs FSDP, kernels vs references) print their measured errors."""
+    cmd = ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--durations=5", "tests/gpu"]
+    return [Row("tests-gpu", lambda: command_row(cmd, timeout_s=900), 400)]
+
+
+# ---------------------------------------------------------------- several GPUs
+
+
+def multi_gpu_rows(quick: bool) -> list[Row]:
+    """FSDP2 weak scaling (W1's per-GPU work on K GPUs), qwen3-8b sharded with fp32 master weights, Megatron
+    TP=2 against FSDP on the same batch, and the README demo trained over all GPUs."""
+    n = gpu_count()
+    # torchrun's own -m: each rank runs `python -m slipstream.cli bench train-step ...`
+    ts = ["-m", "slipstream.cli", "bench", "train-step", "--ac", "full", "--max-tokens-per-mb", "32768", "--repeats", "2"]
+
+    def torchrun(k: int, args: list[str]) -> list[str]:
+        return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}", *args]
+
+    rows = []
+    for k in (1, 2, 4, 8):
+        if k <= max(n, 1):
+            cmd = torchrun(k, [*ts, "--backend", "fsdp", "--compile", "--workload", "W1", "--scale", str(k), "--out"])
+            rows.append(Row(f"fsdp-w1-x{k}", lambda c=cmd: command_row(c, out_json=True), 150, min_gpus=k))
+    cmd = torchrun(n, [*ts, "--backend", "fsdp", "--compile", "--workload", "W1-8b", "--scale", str(n), "--out"])
+    rows.append(Row(f"fsdp-w1-8b-fp32-master-x{n}", lambda: command_row(cmd, out_json=True), 200, min_gpus=2))
+    for backend in ("fsdp", "megatron:t2"):
+        cmd_tp = torchrun(2, [*ts, "--backend", backend, "--workload", "W1", "--out"])
+        rows.append(Row(f"tp2-{backend.split(':')[0]}", lambda c=cmd_tp: command_row(c, out_json=True), 150, min_gpus=2))
+    demo = torchrun(n, ["-m", "slipstream.cli", "train", "recipes/demo.yaml", "actor.backend=fsdp", "trainer.device=cuda",
+                        "logging.tensorboard=false", "trainer.export_hf=false"])  # fmt: skip
+    rows.append(Row(f"demo-fsdp-x{n}", lambda: _demo_result(demo), 150, min_gpus=2))
+    return rows
+
+
+def multi_gpu_summary(rows: list[dict]) -> dict:
+    """Weak-scaling efficiency: per-GPU tokens/s at K GPUs over K = 1 (same per-GPU work)."""
+    tok = {}
+    for r in rows:
+        if r["row"].startswith("fsdp-w1-x") and r["status"] == "ok" and r.get("data"):
+            tok[int(r["row"].removeprefix("fsdp-w1-x"))] = r["data"]["slipstream"]["phases"]["actor_train"]["tok_per_s"]
+    return {"tok_per_s_per_gpu": tok, "efficiency": {k: v / tok[1] for k, v in tok.items()} if 1 in tok else {}}
+
+
+# ---------------------------------------------------------------- whole runs: the README demo, rl-step, plan balance
+
+
+def _demo_result(cmd: list[str]) -> dict:
+    """Run a `slipstream train` command into a temporary run_dir; reward trend and step times from metrics.jsonl."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-demo-") as tmp:
+        result = command_row([*cmd, f"trainer.run_dir={tmp}/run"])
+        path = Path(tmp) / "run" / "metrics.jsonl"
+        steps = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if result["status"] != "ok" or not steps:
+        return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
+    rewards = [s["reward/mean"] for s in steps]
+    times = [s["perf/step_time"] for s in steps if "perf/step_time" in s]
+    return {
+        **result, "kind": "train", "steps": len(steps), "reward_first10": statistics.mean(rewards[:10]),
+        "reward_last10": statistics.mean(rewards[-10:]), "step_time_median_s": statistics.median(times),
+        "step_time_mean_s": statistics.mean(times), "output_tail": result["output_tail"][-2000:],
+    }  # fmt: skip
+
+
+def demo_rows(quick: bool) -> list[Row]:
+    """The README's demo: `slipstream train recipes/demo.yaml` (200 GRPO steps; quick: 20)."""
+    device = "cpu" if quick or gpu_count() == 0 else "cuda"
+    cmd = ["-m", "slipstream.cli", "train", "recipes/demo.yaml", f"trainer.device={device}", "logging.tensorboard=false"]
+    cmd += ["trainer.total_steps=20", "trainer.export_hf=false"] if quick else []
+    return [Row(f"demo-{device}", lambda: _demo_result(cmd), 120)]
+
+
+def rl_step_rows(quick: bool) -> list[Row]:
+    """Whole GRPO steps of the demo recipe: slipstream on each backend and TRL's own GRPOTrainer.train()."""
+    device = "cpu" if quick or gpu_count() == 0 else "cuda"
+    steps, warmup = (3, 1) if quick else ((8, 2) if device == "cuda" else (6, 1))
+    overrides = ["reward.num_workers=0"] + (["rollout.prompts_per_step=4", "rollout.max_new_tokens=2"] if quick else [])
+    # relative to where the suite runs (the repository root, as in the docs), so results files name no local path
+    recipe = os.path.relpath(REPO / "recipes" / "demo.yaml")
+    rl = {"recipe": recipe, "steps": steps, "warmup_steps": warmup, "overrides": overrides}
+    cells = [("slipstream", "local"), ("slipstream", "fsdp"), ("slipstream", "megatron"), ("trl", "local")]
+    return [
+        _row(f"{f}-{b}" if f == "slipstream" else f, f, {"mode": "rl-step", "frameworks": [f], "backends": [b],
+             "device": device, "rl_step": {**rl, "name": "demo"}}, 60)
+        for f, b in cells
+    ]  # fmt: skip
+
+
+def plan_balance_rows(quick: bool) -> list[Row]:
+    """Balance of the data-parallel plan for weak scaling (W1's per-GPU work on K ranks): lengths only, CPU."""
+    from slipstream.batching.planner import plan_micro_batches, quadratic_scale_for, token_work
+    from slipstream.bench.workloads import get_workload, scaled, seq_lens
+    from slipstream.models.presets import get_preset
+
+    def run(workload: str, budget: int, ranks: tuple[int, ...]) -> dict:
+        base = get_workload(workload)
+        scale = quadratic_scale_for(get_preset(base.preset))
+        out = []
+        for k in ranks:
+            lens = seq_lens(scaled(base, k))
+            plan = plan_micro_batches(lens, budget, num_ranks=k, quadratic_scale=scale)
+            tokens = [sum(lens[i] for mb in rank for i in mb) for rank in plan.assignments]
+            work = [sum(token_work(lens[i], scale) for mb in rank for i in mb) for rank in plan.assignments]
+            out.append({"ranks": k, "seqs": len(lens), "micro_batches_per_rank": plan.num_micro_batches,
+                        "tokens_min": min(tokens), "tokens_max": max(tokens),
+                        "work_max_over_mean": max(work) / (sum(work) / k)})  # fmt: skip
+        return {"kind": "plan_balance", "status": "ok", "workload": workload, "max_tokens_per_mb": budget, "plans": out}
+
+    return [
+        Row("w1-32k", lambda: run("W1", 32768, (1, 2, 4, 8)), 10),
+        Row("w1-8b-16k", lambda: run("W1-8b", 16384, (8,)), 10),
+    ]
+
+
+# ---------------------------------------------------------------- the registry (order = run order)
+
+register(Entry("w1", "W1 training step (qwen3-1.7b, 155,648 real tokens): slipstream vs naive HF, TRL and verl at "
+               "their best, each row with its own recompute; the fused log-prob op's memory",
+               lambda quick: w1_rows("W1", quick), summary=w1_summary))  # fmt: skip
+register(Entry("w1-0.6b", "the W1 comparison on qwen3-0.6b (the same 64 lengths)",
+               lambda quick: w1_rows("W1-0.6b", quick), summary=w1_summary))  # fmt: skip
+register(Entry("sizes", "slipstream on W1's lengths at qwen3-0.6b, 4b and 8b (one GPU)", sizes_rows))
+register(Entry("backends", "slipstream FSDP2 vs megatron-core on W1, full recompute", backends_rows,
+               summary=backends_summary))  # fmt: skip
+register(Entry("memory-curve", "peak memory against tokens per micro-batch, qwen3-1.7b", memory_curve_rows))
+register(Entry("profile", "kernel time per category of one W1 update", profile_rows, has_quick=False))
+register(Entry("attention", "varlen vs flex attention on W1's lengths", attention_rows, has_quick=False))
+register(Entry("logprob-kernels", "fused log-prob kernels vs full logits", logprob_kernel_rows, has_quick=False))
+register(Entry("gpu-tests", "the GPU parity tests with their measured errors", gpu_test_rows, has_quick=False))
+register(Entry("multi-gpu", "FSDP2 weak scaling, 8B sharded, Megatron TP=2 vs FSDP, the demo over all GPUs",
+               multi_gpu_rows, min_gpus=2, has_quick=False, summary=multi_gpu_summary))  # fmt: skip
+register(Entry("demo", "the README demo (GRPO on sum-mod10, tiny model): reward trend and step time", demo_rows,
+               device="any"))  # fmt: skip
+# rl-step: whole RL steps. Entries for the rollout engine and for sync / async rl-step runs go here.
+register(Entry("rl-step-demo", "whole GRPO steps of the demo recipe: slipstream backends vs TRL's GRPOTrainer",
+               rl_step_rows, device="any"))  # fmt: skip
+register(Entry("plan-balance", "balance of the data-parallel plan on 1-8 ranks (CPU, lengths only)",
+               plan_balance_rows, device="cpu"))  # fmt: skip

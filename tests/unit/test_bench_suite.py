@@ -1,0 +1,108 @@
+"""`slipstream bench suite`: the registry, selection, results files, resume, and a CPU-sized run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from slipstream.bench import registry, suite
+from slipstream.bench.cli import add_bench_parser
+from slipstream.bench.rows import FAIRNESS_KEYS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "suite", *argv])
+
+
+def test_registry_rows_are_named_and_unique():
+    entries = suite._registry()
+    assert {"w1", "w1-0.6b", "sizes", "backends", "memory-curve", "profile", "attention", "gpu-tests", "multi-gpu",
+            "demo", "rl-step-demo", "plan-balance"} <= set(entries)  # fmt: skip
+    for entry in entries.values():
+        assert entry.description and entry.device in ("gpu", "cpu", "any")
+        for quick in (False, True) if entry.has_quick else (False,):
+            names = [r.name for r in entry.rows(quick)]
+            assert names and len(set(names)) == len(names), entry.name
+    full = [r.name for r in entries["w1"].rows(False)]
+    # the W1 entry measures every comparison the docs quote, in one results file
+    for name in ("slipstream-none", "slipstream-full", "naive-none", "naive-full", "trl-ckpt", "trl-liger-ckpt",
+                 "trl-liger-no-ckpt", "verl-full", "logprob-op", "logprob-op-entropy"):  # fmt: skip
+        assert name in full
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register(entries["w1"])
+
+
+def test_selection():
+    names = lambda chosen: [e.name for e, _ in chosen]  # noqa: E731
+    assert names(suite.select(None, gpu=False, quick=False)) == ["demo", "rl-step-demo", "plan-balance"]
+    assert "w1" in names(suite.select(None, gpu=True, quick=False)) and "plan-balance" not in names(
+        suite.select(None, gpu=True, quick=False)
+    )
+    ((entry, rows),) = suite.select(["w1/trl-ckpt", "w1/naive-full"], gpu=False, quick=False)
+    assert entry.name == "w1" and rows == {"trl-ckpt", "naive-full"}
+    ((entry, rows),) = suite.select(["w1/trl-ckpt", "w1"], gpu=False, quick=False)
+    assert rows is None  # the whole entry wins
+    with pytest.raises(ValueError, match="unknown suite entry 'w2'; entries: w1"):
+        suite.select(["w2"], gpu=False, quick=False)
+
+
+def test_gpu_entries_are_skipped_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "gpu_count", lambda: 0)  # suite.py's name for it: this machine has no GPU
+    assert suite.run_suite_command(_args("--only", "profile", "multi-gpu", "--out", str(tmp_path))) == 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["status"] == "skipped" and profile["reason"] == "needs 1 CUDA GPU(s), found 0"
+    assert json.loads((tmp_path / "multi-gpu.json").read_text())["reason"] == "needs 2 CUDA GPU(s), found 0"
+    assert suite.run_suite_command(_args("--quick", "--only", "profile", "--out", str(tmp_path))) == 0
+    assert "no CPU-sized version" in json.loads((tmp_path / "profile.json").read_text())["reason"]
+
+
+def test_quick_w1_writes_one_file_with_like_for_like_ratios_and_resumes(tmp_path):
+    rows = ["w1/slipstream-none", "w1/slipstream-full", "w1/naive-none", "w1/naive-full", "w1/trl-liger-ckpt",
+            "w1/logprob-op-entropy"]  # fmt: skip
+    assert suite.run_suite_command(_args("--quick", "--only", *rows, "plan-balance", "--out", str(tmp_path))) == 0
+    record = json.loads((tmp_path / "w1.json").read_text())
+    for key in ("date", "git_commit", "source_digest", "gpu", "torch", "command", "rows", "summary"):
+        assert key in record, key
+    assert record["quick"] and record["schema"] == suite.SCHEMA and record["entry"] == "w1"
+    by_name = {r["row"]: r for r in record["rows"]}
+    assert list(by_name) == [r.split("/")[1] for r in rows]
+    for name in ("slipstream-none", "slipstream-full", "naive-none", "naive-full"):
+        r = by_name[name]
+        assert r["status"] == "ok" and r["kind"] == "matrix" and tuple(r["fairness"]) == FAIRNESS_KEYS, name
+    # without liger-kernel its TRL configuration is an explained row, not a silent run without it
+    assert by_name["trl-liger-ckpt"]["status"] == "missing" and "liger-kernel" in by_name["trl-liger-ckpt"]["install"]
+    op = by_name["logprob-op-entropy"]
+    # fp32 against float64, log-probs and entropy: measured 5.7e-07, tolerance 2e-6 (3.5x)
+    assert op["kind"] == "logprob_op" and op["with_entropy"] and op["max_abs_err_vs_fp64"] < 2e-6
+    # every ratio pairs rows of this file at the same recompute policy, and says which
+    ratios = {tuple(q["rows"]): q for q in record["summary"]["ratios"]}
+    assert ratios[("slipstream-none", "naive-none")]["recompute"] == ["none", "none"]
+    assert ratios[("slipstream-full", "naive-full")]["recompute"] == ["full", "full"]
+    md = (tmp_path / "w1.md").read_text()
+    assert "## Ratios (both rows from this file)" in md and "recompute full / full" in md
+    assert "| tiny (tiny) | naive-full | ok | torch: plain PyTorch loop" in md
+    plan = json.loads((tmp_path / "plan-balance.json").read_text())["rows"][0]
+    assert [p["ranks"] for p in plan["plans"]] == [1, 2, 4, 8] and plan["plans"][0]["work_max_over_mean"] == 1.0
+
+    # --resume keeps the rows measured with the same tree and machine and runs only what is missing
+    first = {r["row"]: r["wall_s"] for r in record["rows"]}
+    assert suite.run_suite_command(_args("--quick", "--only", "w1/naive-full", "w1/trl-ckpt", "--resume",
+                                         "--out", str(tmp_path))) == 0  # fmt: skip
+    again = {r["row"]: r for r in json.loads((tmp_path / "w1.json").read_text())["rows"]}
+    assert again["naive-full"]["wall_s"] == first["naive-full"] and again["trl-ckpt"]["status"] == "ok"
+    record["source_digest"] = "another-tree"
+    (tmp_path / "w1.json").write_text(json.dumps(record))
+    assert suite.run_suite_command(_args("--quick", "--only", "w1/trl-ckpt", "--resume", "--out", str(tmp_path))) == 2
+
+
+def test_a_row_runs_in_a_fresh_process():
+    # On a GPU every row runs in its own process (a fresh CUDA context); the same path, CPU-sized.
+    entry = suite._registry()["plan-balance"]
+    row = suite.run_row_in_child(entry, entry.rows(False)[1], quick=False, timeout_s=120)
+    assert row["status"] == "ok" and row["row"] == "w1-8b-16k" and row["plans"][0]["micro_batches_per_rank"] == 10
