@@ -31,6 +31,10 @@ def _train(args: argparse.Namespace) -> int:
 
         trainer = build_trainer(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():  # reward workers still starting: gone, without
+            child.kill()  # a traceback from their start-up when this process exits under them
         print("interrupted during start-up: no step was run, nothing was saved", file=sys.stderr)
         return 130
     except RunComplete as done:
