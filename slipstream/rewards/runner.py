@@ -22,6 +22,7 @@ import multiprocessing as mp
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -207,12 +208,21 @@ class RewardRunner:
         )
         # SIGINT stays blocked while the child is created: the mask is inherited across exec, so a
         # Ctrl-C sent to the process group while the worker imports its modules cannot reach it
-        # (it prints no traceback); the parent gets the signal once it is unblocked.
+        # (it prints no traceback). The mask is per thread and another thread of this process may
+        # take the signal, so the handler is deferred too: a Ctrl-C during start() interrupts this
+        # process once start() has returned and the worker is one of its children (killable).
+        deferred: list[int] = []
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda signum, _frame: deferred.append(signum)) if main_thread else None
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
+        if deferred and callable(previous):
+            previous(signal.SIGINT, None)
         # Close our copy of the child's end so that a dead worker shows up as EOF on parent_conn.
         child_conn.close()
         return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())

@@ -72,7 +72,9 @@ class Trainer:
 
 
 def _steps(run_dir: Path, name: str = "metrics.jsonl") -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / name).read_text().splitlines()]
+    """The steps of the training rows (the demo's eval rows, with eval/* metrics only, are left out)."""
+    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+    return [row["step"] for row in rows if "reward/mean" in row]
 
 
 def _train(run_dir: Path, *overrides: str) -> int:
@@ -142,7 +144,7 @@ def test_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
 def test_run_dir_checks(tmp_path, capsys):
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    (earlier / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (earlier / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')  # a training row
     assert _train(earlier, "trainer.total_steps=1") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--overwrite" in err and "pick a new trainer.run_dir" in err, err
@@ -164,9 +166,9 @@ def test_run_dir_checks(tmp_path, capsys):
 def test_rewind_metrics(tmp_path, tail):
     from slipstream.controller.run_dir import rewind_metrics
 
-    rows = "".join(f'{{"step": {s}, "x": {s}}}\n' for s in (1, 2, 3, 4))
+    rows = "".join(f'{{"step": {s}, "reward/mean": {s}}}\n' for s in (1, 2, 3, 4))
     (tmp_path / "metrics.jsonl").write_text(rows + tail)
     rewind_metrics(tmp_path, 2)
     assert _steps(tmp_path) == [1, 2]
     dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
-    assert dropped[:2] == ['{"step": 3, "x": 3}', '{"step": 4, "x": 4}'] and len(dropped) == 2 + bool(tail)
+    assert dropped[:2] == ['{"step": 3, "reward/mean": 3}', '{"step": 4, "reward/mean": 4}'] and len(dropped) == 2 + bool(tail)

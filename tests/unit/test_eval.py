@@ -123,7 +123,7 @@ def test_max_prompt_length_drops_and_counts(tmp_path):
         PromptSource(_cfg(f"data.source={path}", "data.max_prompt_length=1"), build_char_tokenizer()).next_batch()
 
 
-def test_generate_keyed_passes_keys_or_leaves_the_sampler_as_it_was():
+def test_generate_keyed_passes_keys_and_leaves_the_training_stream_as_it_was():
     class Keyed:
         def generate(self, prompts, sampling, keys=None):
             self.keys = keys
@@ -134,10 +134,10 @@ def test_generate_keyed_passes_keys_or_leaves_the_sampler_as_it_was():
     assert engine.keys == [7, 8]
 
     rollout = BuiltinRollout(get_preset("tiny"), max_batch_size=4, seed=3)
-    before = rollout.state_dict()["generator"].clone()
+    before = rollout.state_dict()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3, n=2)
     first = generate_keyed(rollout, [[1, 5], [1, 6]], sampling, [11, 12])
-    assert torch.equal(rollout.state_dict()["generator"], before)  # training samples are not shifted
+    assert rollout.state_dict() == before  # the key counter of training calls did not move
     again = generate_keyed(rollout, [[1, 5], [1, 6]], sampling, [11, 12])
     assert [[s.response_ids for s in g] for g in first] == [[s.response_ids for s in g] for g in again]
 
@@ -152,7 +152,7 @@ def test_sets_sharing_problems_share_their_completions():
     rollout = BuiltinRollout(get_preset("tiny"), max_batch_size=64, seed=0)
     calls = []
     generate = rollout.generate
-    rollout.generate = lambda prompts, sampling: calls.append(sampling.n) or generate(prompts, sampling)
+    rollout.generate = lambda prompts, sampling, keys: calls.append(sampling.n) or generate(prompts, sampling, keys=keys)
     evaluator = Evaluator.build(cfg, tok, rollout, sets, [tok.eos_token_id])
     metrics = evaluator.run()
     evaluator.close()
