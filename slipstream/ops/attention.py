@@ -236,6 +236,20 @@ def _flex_attention(q, k, v, cu_seqlens, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def decode_capturable(device: torch.device, dtype: torch.dtype, decode_kernel: str) -> bool:
+    """Whether cache_attention decodes without a host sync (so a CUDA graph can capture it): the
+    Triton kernel (bf16 / fp16 / fp32) or FlashAttention (bf16 / fp16) on CUDA; not the per-sequence
+    SDPA loop, which reads the lengths on the host."""
+    if device.type != "cuda":
+        return False
+    if decode_kernel == "triton" and decode_attention.available():
+        return dtype in _TRITON_DTYPES
+    return dtype in (torch.float16, torch.bfloat16)
+
+
 def cache_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,19 +275,20 @@ def cache_attention(
     decoding (one query per sequence) are the same call. GQA is native: query head h reads kv
     head h // (Hq / Hkv), no repeat.
 
-    CUDA + bf16/fp16: decoding (one query per sequence, `max_seqlen_q` 1) runs the Triton split-K
-    kernel of ops/decode_attention.py (`decode_kernel="triton"`, when triton is installed);
-    prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
+    CUDA: decoding (one query per sequence, `max_seqlen_q` 1) runs the Triton split-K kernel of
+    ops/decode_attention.py (`decode_kernel="triton"`, when triton is installed; bf16, fp16 and
+    fp32 with exact fp32 products); with bf16/fp16, prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
     (B, L) mask, no per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere:
     one SDPA call per sequence over exactly its keys, so a sequence's result does not depend on
     the others.
     """
+    triton_decode = decode_kernel == "triton" and decode_attention.available() and q.dtype in _TRITON_DTYPES
+    if q.is_cuda and triton_decode and max_seqlen_q == 1 and not causal:
+        # one query row per sequence: rows of q are the sequences
+        splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device)
+        starts = cu_seqlens_k[: q.shape[0]]
+        return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        if max_seqlen_q == 1 and not causal and decode_kernel == "triton" and decode_attention.available():
-            # one query row per sequence: rows of q are the sequences
-            splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device)
-            starts = cu_seqlens_k[: q.shape[0]]
-            return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale)
         out = torch.ops.aten._flash_attention_forward(
             q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
             scale=scale, seqused_k=seqused_k,

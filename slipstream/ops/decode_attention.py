@@ -56,6 +56,7 @@ if triton is not None:
         stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
         scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -80,14 +81,14 @@ if triton is not None:
             valid = n < hi
             rows = start + n
             k = tl.load(K + rows[:, None] * stride_kn + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_N), fp32 accumulation
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_G, BLOCK_N), fp32 accumulation
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + rows[:, None] * stride_vn + h * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if NUM_SPLITS == 1:  # the whole sequence in this program: normalise and write the output directly
             out = acc / l_i[:, None]
@@ -149,7 +150,8 @@ def decode_attention(
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
-        NUM_SPLITS=num_splits, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     if num_splits == 1:
         return out

