@@ -150,8 +150,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
             per_step = [trainer.step() for _ in range(rl.steps)]
             device = trainer.device
         finally:
-            trainer.logger.close()
-            trainer.rewards.close()
+            trainer.close()
         del trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -180,7 +179,8 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         f"top_p={r.top_p} top_k={r.top_k}, max_new_tokens "
         f"{'linspace(256, 3584) per sample' if rl.budgets == 'w1' else r.max_new_tokens}"
         f"{', stop tokens ignored' if rl.ignore_stop else ''}, {r.prompts_per_step} prompts x group {r.group_size}",
-        "placement": "colocated, synchronous, one process (trainer and rollout share the device)",
+        "placement": "colocated, one process (trainer and rollout share the device), "
+        + ("synchronous" if cfg.trainer.mode == "sync" else f"asynchronous, max_staleness {cfg.trainer.max_staleness}"),
     }
     return {
         "status": "ok",

@@ -333,6 +333,44 @@ def rl_step_rows(quick: bool) -> list[Row]:
     ]  # fmt: skip
 
 
+def rollout_rows(quick: bool) -> list[Row]:
+    """`slipstream bench rollout`: the builtin engine against the memory-bandwidth bound on the fixed shape
+    (qwen3-1.7b, 512 + 512 tokens, batch 64 and 256, Triton and FlashAttention decode), with transformers'
+    generate at batch 256; W1's budgets; nano-vllm's workload on qwen3-0.6b. First and repeated calls."""
+    base = ["-m", "slipstream.cli", "bench", "rollout"]
+    if quick:  # the tiny preset on the CPU, eager: the plumbing
+        tiny = [*base, "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs"]
+        fixed = [*tiny, "--batch", "4", "--group", "2", "--prompt-len", "16", "--new-tokens", "8", "--out"]
+        return [Row("fixed", lambda: command_row(fixed, out_json=True), 30)]
+    cases = {
+        "fixed-qwen3-1.7b": (["--decode-attention", "triton,flash", "--peer", "hf", "--peer-batch", "256"], 420),
+        "w1-qwen3-1.7b": (["--workload", "w1"], 120),
+        "nanovllm-qwen3-0.6b": (["--workload", "nanovllm", "--preset", "qwen3-0.6b"], 90),
+        "nanovllm-qwen3-1.7b": (["--workload", "nanovllm"], 120),
+    }
+    return [Row(n, lambda a=a, t=t: command_row([*base, *a, "--out"], out_json=True, timeout_s=3 * t), t)
+            for n, (a, t) in cases.items()]  # fmt: skip
+
+
+def rl_step_w1_rows(quick: bool) -> list[Row]:
+    """The W1-shaped RL step (bench/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
+    3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated)."""
+    if quick:  # the demo recipe, CPU-sized
+        rl = {"recipe": os.path.relpath(REPO / "recipes" / "demo.yaml"), "steps": 3, "warmup_steps": 1,
+              "overrides": ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]}  # fmt: skip
+        device = "cpu"
+    else:
+        rl = {"recipe": os.path.relpath(REPO / "bench" / "recipe_w1_rl_step.yaml"), "steps": 3, "warmup_steps": 1,
+              "budgets": "w1", "ignore_stop": True, "overrides": []}  # fmt: skip
+        device = "cuda"
+    modes = {"sync": [], "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
+    return [
+        _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
+             "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
+        for name, extra in modes.items()
+    ]  # fmt: skip
+
+
 def plan_balance_rows(quick: bool) -> list[Row]:
     """Balance of the data-parallel plan for weak scaling (W1's per-GPU work on K ranks): lengths only, CPU."""
     from slipstream.batching.planner import plan_micro_batches, quadratic_scale_for, token_work
@@ -378,7 +416,10 @@ register(Entry("multi-gpu", "FSDP2 weak scaling, 8B sharded, Megatron TP=2 vs FS
                multi_gpu_rows, min_gpus=2, has_quick=False, summary=multi_gpu_summary))  # fmt: skip
 register(Entry("demo", "the README demo (GRPO on sum-mod10, tiny model): reward trend and step time", demo_rows,
                device="any"))  # fmt: skip
-# rl-step: whole RL steps. Entries for the rollout engine and for sync / async rl-step runs go here.
+register(Entry("rollout", "the builtin rollout engine against the memory-bandwidth bound: fixed shape (with "
+               "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows))  # fmt: skip
+register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync and "
+               "async (max_staleness 1)", rl_step_w1_rows))  # fmt: skip
 register(Entry("rl-step-demo", "whole GRPO steps of the demo recipe: slipstream backends vs TRL's GRPOTrainer",
                rl_step_rows, device="any"))  # fmt: skip
 register(Entry("plan-balance", "balance of the data-parallel plan on 1-8 ranks (CPU, lengths only)",

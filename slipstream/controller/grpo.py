@@ -230,11 +230,7 @@ class RLTrainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self.loop.close()
-            self.logger.close()
-            if self.evaluator is not None:
-                self.evaluator.close(keep=self.rewards)
-            self.rewards.close()
+            self.close()
         if self._any_rank(stop_requested):
             latest = self.checkpoints.latest()
             raise Interrupted(self.step_num, saved=latest, resume_point=latest)
@@ -269,6 +265,14 @@ class RLTrainer:
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a stop request reaches ranks at different moments)."""
         return bool(all_reduce_(torch.tensor([int(flag)]), op=torch.distributed.ReduceOp.MAX)[0])
+
+    def close(self) -> None:
+        """Stop what runs beside the trainer: the rollout producer (async), the loggers, the reward workers."""
+        self.loop.close()
+        self.logger.close()
+        if self.evaluator is not None:
+            self.evaluator.close(keep=self.rewards)
+        self.rewards.close()
 
     def step(self) -> dict[str, float]:
         """One step of the loop; afterwards the policy (and the rollout's weights) are version step_num."""

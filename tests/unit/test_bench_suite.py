@@ -23,7 +23,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_registry_rows_are_named_and_unique():
     entries = suite._registry()
     assert {"w1", "w1-0.6b", "sizes", "backends", "memory-curve", "profile", "attention", "gpu-tests", "multi-gpu",
-            "demo", "rl-step-demo", "plan-balance"} <= set(entries)  # fmt: skip
+            "demo", "rl-step-demo", "plan-balance", "rollout", "rl-step-w1"} <= set(entries)  # fmt: skip
     for entry in entries.values():
         assert entry.description and entry.device in ("gpu", "cpu", "any")
         for quick in (False, True) if entry.has_quick else (False,):
@@ -106,3 +106,12 @@ def test_a_row_runs_in_a_fresh_process():
     entry = suite._registry()["plan-balance"]
     row = suite.run_row_in_child(entry, entry.rows(False)[1], quick=False, timeout_s=120)
     assert row["status"] == "ok" and row["row"] == "w1-8b-16k" and row["plans"][0]["micro_batches_per_rank"] == 10
+
+
+def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
+    assert suite.run_suite_command(_args("--quick", "--only", "rollout", "rl-step-w1", "--out", str(tmp_path))) == 0
+    (fixed,) = json.loads((tmp_path / "rollout.json").read_text())["rows"]
+    assert fixed["status"] == "ok" and {r["engine"] for r in fixed["data"]["rows"]} == {"slipstream"}
+    rows = {r["fairness"]["placement"].split(", ")[-1]: r for r in json.loads((tmp_path / "rl-step-w1.json").read_text())["rows"]}
+    assert set(rows) == {"synchronous", "max_staleness 1"}  # the async row says so, with its bound
+    assert all(r["status"] == "ok" for r in rows.values())

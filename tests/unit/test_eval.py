@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from slipstream.config import load_config
 from slipstream.controller.prompts import PromptSource
