@@ -371,6 +371,55 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
     ]  # fmt: skip
 
 
+def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int) -> dict:
+    """Run a (torchrun) `slipstream train` into a temporary run_dir; what the trainer's metrics.jsonl says of
+    its steps after the first `warmup`: step time, samples per hour, wait ratios, staleness, weight-sync time."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-rl-") as tmp:
+        result = command_row([*cmd, f"trainer.run_dir={tmp}/run"])
+        path = Path(tmp) / "run" / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    steps = [r for r in rows if "perf/step_time" in r][warmup:]
+    if result["status"] != "ok" or not steps:
+        return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steps if key in r]
+        return statistics.median(values) if values else None
+
+    step_s = median("perf/step_time")
+    return {
+        **result, "kind": "rl_run", "steps_timed": len(steps), "step_time_median_s": step_s,
+        "samples_per_hour": samples_per_step * 3600 / step_s, "rollout_wait_ratio": median("perf/rollout_wait_ratio"),
+        "trainer_wait_ratio": median("perf/wait_time_ratio"), "staleness_mean": median("async/staleness_mean"),
+        "staleness_max": max((r.get("async/staleness_max", 0) for r in steps), default=0),
+        "weight_sync_s": median("perf/update_weights_time"), "output_tail": result["output_tail"][-2000:],
+    }  # fmt: skip
+
+
+def async_gpus_rows(quick: bool) -> list[Row]:
+    """Sync colocated (every GPU generates its share, then every GPU trains) against async disaggregated (the
+    last R GPUs generate, the others train; weights broadcast each step) at equal GPUs, max_staleness 1 and 4,
+    through `torchrun ... slipstream train`: the W1-sized RL step (qwen3-1.7b, random weights, 8 prompts x 8
+    of 512 tokens, up to 2,048 new tokens each: a random-weight model rarely stops). Disaggregated runs train
+    on one rank (the current limit), so a machine of N GPUs runs the N-1 : 1 split."""
+    n = 2 if quick else max(gpu_count(), 2)
+    if quick:  # two CPU processes (gloo) on the demo
+        base = ["recipes/demo.yaml", "trainer.total_steps=4", "eval.sets={}", "reward.num_workers=0"]
+        warmup, samples = 1, 16 * 8
+    else:
+        base = ["bench/recipe_w1_rl_step.yaml", "trainer.total_steps=6", "rollout.max_new_tokens=2048"]
+        warmup, samples = 2, 8 * 8
+    train = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "slipstream.cli", "train",
+             *base, "actor.backend=fsdp", "logging.tensorboard=false", "trainer.export_hf=false"]  # fmt: skip
+    variants = {f"sync-colocated-x{n}": ["trainer.mode=sync"]}
+    for eta in (1, 4):
+        variants[f"async-disaggregated-{n - 1}to1-staleness-{eta}"] = [
+            "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={n - 1}"]  # fmt: skip
+    return [Row(name, lambda e=extra: _rl_run_result([*train, *e], warmup, samples), 60 if quick else 300,
+                min_gpus=0 if quick else n)
+            for name, extra in variants.items()]  # fmt: skip
+
+
 def plan_balance_rows(quick: bool) -> list[Row]:
     """Balance of the data-parallel plan for weak scaling (W1's per-GPU work on K ranks): lengths only, CPU."""
     from slipstream.batching.planner import plan_micro_batches, quadratic_scale_for, token_work
@@ -420,6 +469,8 @@ register(Entry("rollout", "the builtin rollout engine against the memory-bandwid
                "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows))  # fmt: skip
 register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync and "
                "async (max_staleness 1)", rl_step_w1_rows))  # fmt: skip
+register(Entry("async-gpus", "sync colocated vs async disaggregated RL steps at equal GPUs (W1-sized, qwen3-1.7b): "
+               "step time, samples per hour, wait ratios, staleness, weight-sync time", async_gpus_rows, min_gpus=2))  # fmt: skip
 register(Entry("rl-step-demo", "whole GRPO steps of the demo recipe: slipstream backends vs TRL's GRPOTrainer",
                rl_step_rows, device="any"))  # fmt: skip
 register(Entry("plan-balance", "balance of the data-parallel plan on 1-8 ranks (CPU, lengths only)",

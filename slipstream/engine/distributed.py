@@ -81,11 +81,15 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
 
 
 def dp_mesh(device_type: str) -> DeviceMesh:
-    """The 1-D data-parallel mesh ("dp") over all ranks, created once per process."""
+    """The 1-D data-parallel mesh ("dp") over the data-parallel ranks (every rank, or the trainer ranks of a
+    disaggregated placement: `set_data_parallel_group`), created once per process."""
     global _mesh
     if _mesh is None or _mesh.device_type != device_type:
         _, world_size, _ = init_distributed(device_type)
-        _mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+        if _dp_group is not None:  # the trainer ranks' own group, already created by every rank
+            _mesh = DeviceMesh.from_group(_dp_group, device_type, mesh_dim_names=("dp",))
+        else:
+            _mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     return _mesh
 
 

@@ -43,10 +43,13 @@ from slipstream.engine.base import LogProbOutput
 from slipstream.engine.distributed import (
     all_reduce_,
     check_same_on_all_ranks,
+    data_parallel_group,
     dp_mesh,
     init_distributed,
     warn_if_other_device,
 )
+from slipstream.engine.distributed import rank as dp_rank
+from slipstream.engine.distributed import world_size as dp_world_size
 from slipstream.engine.local import LocalEngine, count_loss_tokens, make_norm
 from slipstream.models import hf
 from slipstream.models.parallelize import CheckpointMode, mixed_precision_policy, parallelize
@@ -79,8 +82,10 @@ class FSDPEngine(LocalEngine):
         offload: bool | None = None,
     ) -> None:
         requested = device
-        self.rank, self.world_size, device = init_distributed(torch.device(device).type)
-        self.dp_rank, self.dp_size = self.rank, self.world_size  # every rank is a data-parallel rank
+        _, _, device = init_distributed(torch.device(device).type)
+        # the data-parallel ranks: every rank, or the trainer ranks of a disaggregated placement
+        self.rank, self.world_size = dp_rank(), dp_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         warn_if_other_device(requested, device)
         if activation_checkpointing is None:
             activation_checkpointing = actor.activation_checkpointing if actor is not None else "none"
@@ -177,16 +182,16 @@ class FSDPEngine(LocalEngine):
     def save(self, directory: Path) -> None:
         """Every rank writes its shards with torch.distributed.checkpoint (restorable on another world size)."""
         directory = Path(directory)
-        dcp.save(self._dcp_state(), checkpoint_id=directory / DCP_DIR)
+        dcp.save(self._dcp_state(), checkpoint_id=directory / DCP_DIR, process_group=data_parallel_group())
         if self.scheduler is not None and self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict()}, directory / SCHEDULER_FILE)
         if self.world_size > 1:
-            dist.barrier()  # the scheduler file exists before any rank moves on
+            dist.barrier(group=data_parallel_group())  # the scheduler file exists before any rank moves on
 
     def load(self, directory: Path) -> None:
         directory = Path(directory)
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=directory / DCP_DIR)  # fills `state` in place
+        dcp.load(state, checkpoint_id=directory / DCP_DIR, process_group=data_parallel_group())  # fills `state`
         if self.optimizer is None:
             set_model_state_dict(self.model, state["model"])
             return

@@ -196,3 +196,17 @@ def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mo
     assert sum(rewards[:10]) / 10 < 0.2 and sum(rewards[-10:]) / 10 > 0.8
     lags = [m["async/staleness_max"] for m in trainer["metrics"]]
     assert max(lags) == (1 if mode == "async" else 0)
+
+
+def test_disaggregated_trainer_rank_runs_the_fsdp_backend_and_saves(tmp_path):
+    """FSDP2 on the trainer ranks only: its mesh, collectives and checkpoint are the trainer group's, so the
+    rollout rank (in the world, not in the group) neither blocks them nor counts as a data-parallel rank."""
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = ("logging.tensorboard=false", "trainer.export_hf=false", "eval.sets={}", "trainer.mode=async",
+             "actor.backend=fsdp", "trainer.save_every=2")  # fmt: skip
+    mp.spawn(_disaggregated_worker, args=(2, free_port(), str(tmp_path / "run"), 4, extra, str(out)), nprocs=2,
+             join=True)  # fmt: skip
+    trainer = torch.load(out / "rank0.pt", weights_only=False)
+    assert trainer["role"] == "RLTrainer" and [m["step"] for m in trainer["metrics"]] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())[-1] == "step_000004"

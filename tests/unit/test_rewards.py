@@ -215,7 +215,8 @@ def test_runner_hanging_reward_times_out_and_pool_recovers(misbehaving_runner):
     assert [s for s, _ in results] == [2.0, 4.0, 1.0, -1.0, -1.0]
     failures = {"misbehaving_reward": "timeout"}
     assert results[3][1] == {"error": f"misbehaving_reward: timeout after {TIMEOUT_S:g}s", "failures": failures}
-    assert results[4][1]["failures"] == failures and "earlier in this batch" in results[4][1]["error"]
+    second = results[4][1]["error"]  # not run, or (under load the other worker started it) timed out too
+    assert results[4][1]["failures"] == failures and ("earlier in this batch" in second or "timeout after" in second)
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.5, elapsed
     assert [s for s, _ in misbehaving_runner.score([("abc", None, ""), ("z", None, "")])] == [3.0, 1.0]
 
