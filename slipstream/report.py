@@ -191,7 +191,8 @@ def summarize(records: Sequence[dict], k: int = 10) -> str:
     """One short paragraph: steps logged, first-k vs last-k mean reward, mean step time."""
     if not records:
         return "no metrics logged"
-    lines = [f"steps logged: {len(records)} (step {records[0]['step']} .. {records[-1]['step']})"]
+    trained = [r for r in records if "reward/mean" in r] or list(records)  # eval-only rows (step 0) aside
+    lines = [f"steps logged: {len(trained)} (step {trained[0]['step']} .. {trained[-1]['step']})"]
     reward = _series(records, "reward/mean")
     if reward is not None:
         values = reward[1]

@@ -288,3 +288,11 @@ def test_wandb_offline_run_writes_its_files(tmp_path):
     sink.log(2, {"reward/mean": 0.75})
     sink.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_summary_counts_training_steps_not_eval_rows():
+    from slipstream.report import summarize
+
+    rows = [{"step": 0, "eval/sum/accuracy": 0.0}] + [{"step": s, "reward/mean": 0.1 * s} for s in (1, 2, 3, 4)]
+    rows.append({"step": 4, "eval/sum/accuracy": 1.0})
+    assert summarize(rows).splitlines()[0] == "steps logged: 4 (step 1 .. 4)"
