@@ -400,8 +400,8 @@ def async_gpus_rows(quick: bool) -> list[Row]:
     """Sync colocated (every GPU generates its share, then every GPU trains) against async disaggregated (the
     last R GPUs generate, the others train; weights broadcast each step) at equal GPUs, max_staleness 1 and 4,
     through `torchrun ... slipstream train`: the W1-sized RL step (qwen3-1.7b, random weights, 8 prompts x 8
-    of 512 tokens, up to 2,048 new tokens each: a random-weight model rarely stops). Disaggregated runs train
-    on one rank (the current limit), so a machine of N GPUs runs the N-1 : 1 split."""
+    of 512 tokens, up to 2,048 new tokens each: a random-weight model rarely stops). Splits (rollout : trainer
+    GPUs): 1:1, and N-1 : 1."""
     n = 2 if quick else max(gpu_count(), 2)
     if quick:  # two CPU processes (gloo) on the demo
         base = ["recipes/demo.yaml", "trainer.total_steps=4", "eval.sets={}", "reward.num_workers=0"]
@@ -412,9 +412,10 @@ def async_gpus_rows(quick: bool) -> list[Row]:
     train = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "slipstream.cli", "train",
              *base, "actor.backend=fsdp", "logging.tensorboard=false", "trainer.export_hf=false"]  # fmt: skip
     variants = {f"sync-colocated-x{n}": ["trainer.mode=sync"]}
-    for eta in (1, 4):
-        variants[f"async-disaggregated-{n - 1}to1-staleness-{eta}"] = [
-            "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={n - 1}"]  # fmt: skip
+    for rollout_ranks in sorted({n // 2, n - 1}):  # 1:1, and all but one GPU generating
+        for eta in (1, 4):
+            variants[f"async-disaggregated-{rollout_ranks}to{n - rollout_ranks}-staleness-{eta}"] = [
+                "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={rollout_ranks}"]  # fmt: skip
     return [Row(name, lambda e=extra: _rl_run_result([*train, *e], warmup, samples), 60 if quick else 300,
                 min_gpus=0 if quick else n)
             for name, extra in variants.items()]  # fmt: skip

@@ -35,7 +35,7 @@ from slipstream.controller.prompts import PromptSource
 from slipstream.controller.run_dir import open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.controller.watch import TruncationWatch
-from slipstream.engine.distributed import all_reduce_
+from slipstream.engine.distributed import all_reduce_, data_parallel_group
 from slipstream.engine.distributed import rank as dp_rank
 from slipstream.engine.distributed import world_size as dp_world_size
 from slipstream.engine.factory import build_engine
@@ -83,15 +83,10 @@ class RLTrainer:
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if placement is not None:
             self.rank, self.world = dp_rank(), dp_world_size()
-            if self.world > 1:
-                raise ValueError(
-                    f"placement.rollout_ranks with {self.world} trainer ranks: training over several ranks next to "
-                    "rollout ranks is not wired yet (FSDP over the trainer ranks); use one trainer rank"
-                )
-        if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local" and placement is None:
+        if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local":
             raise ValueError(
-                f"{self.world} processes need a distributed backend: set actor.backend=fsdp (or megatron); "
-                "the local backend trains in one process"
+                f"{self.world} {'trainer ' if placement is not None else ''}processes need a distributed backend: "
+                "set actor.backend=fsdp (or megatron); the local backend trains in one process"
             )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
@@ -250,7 +245,7 @@ class RLTrainer:
         if self.world == 1:
             return latest
         choice = [str(latest) if latest is not None else None]
-        torch.distributed.broadcast_object_list(choice, src=0)
+        torch.distributed.broadcast_object_list(choice, src=0, group=data_parallel_group())  # trainer rank 0
         latest = Path(choice[0]) if choice[0] is not None else None
         if latest is not None:
             missing = all_reduce_(torch.tensor([int(not (latest / trainer_file(self.rank)).exists())]))
@@ -303,7 +298,7 @@ class RLTrainer:
         state = {"data": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
                  "loop": self.loop.state_dict(self.step_num), "eval": self.eval_schedule.state_dict(),
                  "config": asdict(self.cfg)}
-        barrier = torch.distributed.barrier if self.world > 1 else None
+        barrier = (lambda: torch.distributed.barrier(group=data_parallel_group())) if self.world > 1 else None
         path = self.checkpoints.save(self.step_num, self.engine.save, state, rank=self.rank, barrier=barrier)
         if self.rank == 0:
             log.info("saved checkpoint %s", path)
