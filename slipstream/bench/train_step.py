@@ -65,7 +65,8 @@ def env_info() -> dict:
     """Where and how a result was produced: device, library versions, git commit, command line."""
     import transformers  # imported here: only result writers need its version
 
-    commit = os.environ.get("SLIPSTREAM_COMMIT")  # a copy without .git (the GPU machine) is told its commit
+    # a copy whose git metadata is missing or stale (the GPU machine's) is told its commit
+    commit = os.environ.get("SLIPSTREAM_GIT_COMMIT")
     try:
         commit = commit or subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
