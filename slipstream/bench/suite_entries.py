@@ -354,7 +354,8 @@ def rollout_rows(quick: bool) -> list[Row]:
 
 def rl_step_w1_rows(quick: bool) -> list[Row]:
     """The W1-shaped RL step (bench/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
-    3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated)."""
+    3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated); and
+    slipstream against TRL's GRPOTrainer on one fixed budget of 512 new tokens per sample."""
     if quick:  # the demo recipe, CPU-sized
         rl = {"recipe": os.path.relpath(REPO / "recipes" / "demo.yaml"), "steps": 3, "warmup_steps": 1,
               "overrides": ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]}  # fmt: skip
@@ -364,11 +365,19 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
               "budgets": "w1", "ignore_stop": True, "overrides": []}  # fmt: skip
         device = "cuda"
     modes = {"sync": [], "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
-    return [
+    rows = [
         _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
              "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
         for name, extra in modes.items()
     ]  # fmt: skip
+    # slipstream and TRL's GRPOTrainer on one fixed budget (bench/matrix_rl_step_fixed_trl.yaml): 512 new tokens
+    fixed = {**rl, "budgets": None, "name": "fixed-512-rl-step", "overrides": [*rl["overrides"], "rollout.max_new_tokens=512"]}
+    if quick:
+        fixed["overrides"] = [*rl["overrides"], "rollout.max_new_tokens=2"]
+    for framework in ("slipstream", "trl"):
+        spec = {"mode": "rl-step", "frameworks": [framework], "backends": ["fsdp"], "device": device, "rl_step": fixed}
+        rows.append(_row(f"fixed-512-{framework}", framework, spec, 120 if framework == "slipstream" else 400))
+    return rows
 
 
 def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int) -> dict:
@@ -421,6 +430,18 @@ def async_gpus_rows(quick: bool) -> list[Row]:
             for name, extra in variants.items()]  # fmt: skip
 
 
+def rl_step_w1_summary(rows: list[dict]) -> dict:
+    """Whole-step time ratios (medians) from this file's rows: sync over async, TRL over slipstream (fixed budget)."""
+    step = {r["row"]: r["phases"]["step"]["time_s"] for r in rows
+            if r.get("status") == "ok" and r.get("phases", {}).get("step")}  # fmt: skip
+    out = {}
+    if {"sync", "async-staleness-1"} <= set(step):
+        out["sync_over_async_step_time"] = step["sync"] / step["async-staleness-1"]
+    if {"fixed-512-slipstream", "fixed-512-trl"} <= set(step):
+        out["trl_over_slipstream_step_time"] = step["fixed-512-trl"] / step["fixed-512-slipstream"]
+    return out
+
+
 def plan_balance_rows(quick: bool) -> list[Row]:
     """Balance of the data-parallel plan for weak scaling (W1's per-GPU work on K ranks): lengths only, CPU."""
     from slipstream.batching.planner import plan_micro_batches, quadratic_scale_for, token_work
@@ -469,7 +490,8 @@ register(Entry("demo", "the README demo (GRPO on sum-mod10, tiny model): reward 
 register(Entry("rollout", "the builtin rollout engine against the memory-bandwidth bound: fixed shape (with "
                "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows))  # fmt: skip
 register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync and "
-               "async (max_staleness 1)", rl_step_w1_rows))  # fmt: skip
+               "async (max_staleness 1); slipstream vs TRL's GRPOTrainer on a fixed 512-token budget", rl_step_w1_rows,
+               summary=rl_step_w1_summary))  # fmt: skip
 register(Entry("async-gpus", "sync colocated vs async disaggregated RL steps at equal GPUs (W1-sized, qwen3-1.7b): "
                "step time, samples per hour, wait ratios, staleness, weight-sync time", async_gpus_rows, min_gpus=2))  # fmt: skip
 register(Entry("rl-step-demo", "whole GRPO steps of the demo recipe: slipstream backends vs TRL's GRPOTrainer",

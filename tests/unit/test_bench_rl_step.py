@@ -283,3 +283,21 @@ def test_w1_budgets_and_ignored_stops_shape_every_sample(tmp_path):
     finally:
         trainer.rewards.close()
         trainer.logger.close()
+
+
+def test_trl_and_slipstream_train_the_same_tokens_on_the_id_tokenizer_recipe(tmp_path):
+    """bench/matrix_rl_step_fixed_trl.yaml's recipe (random token ids, ids tokenizer), CPU-sized: TRL's cell
+    builds it too and trains on it; slipstream's responses run to the budget (stop tokens ignored)."""
+    overrides = ["model.preset=tiny", "model.tokenizer=ids:96", "data.task_params={length: 15, vocab_size: 96}",
+                 "rollout.max_new_tokens=8", "actor.compile=false", "model.dtype=float32", "rollout.prompts_per_step=2",
+                 "rollout.group_size=2", "actor.activation_checkpointing=none"]  # fmt: skip
+    spec = parse_spec(_spec(
+        {"recipe": "bench/recipe_w1_rl_step.yaml", "steps": 2, "warmup_steps": 1, "ignore_stop": True,
+         "overrides": overrides}, frameworks=["slipstream", "trl"], backends=["fsdp"],
+    ))  # fmt: skip
+    rows = run_matrix(spec, tmp_path / "results.jsonl")
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("reason") for r in rows]
+    # 2 prompts x 2 samples x (15 prompt ids + 8 new) = 92; TRL stops a response at <eos> (id 95: a random
+    # model draws it now and then), so its count is at most that (92 in the seeded run)
+    slipstream, trl = (r["fairness"]["real_tokens"] for r in rows)
+    assert slipstream == 92 and 2 * 2 * (15 + 1) <= trl <= 92

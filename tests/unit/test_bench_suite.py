@@ -112,6 +112,10 @@ def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
     assert suite.run_suite_command(_args("--quick", "--only", "rollout", "rl-step-w1", "--out", str(tmp_path))) == 0
     (fixed,) = json.loads((tmp_path / "rollout.json").read_text())["rows"]
     assert fixed["status"] == "ok" and {r["engine"] for r in fixed["data"]["rows"]} == {"slipstream"}
-    rows = {r["fairness"]["placement"].split(", ")[-1]: r for r in json.loads((tmp_path / "rl-step-w1.json").read_text())["rows"]}
-    assert set(rows) == {"synchronous", "max_staleness 1"}  # the async row says so, with its bound
+    record = json.loads((tmp_path / "rl-step-w1.json").read_text())
+    rows = {r["row"]: r for r in record["rows"]}
+    assert set(rows) == {"sync", "async-staleness-1", "fixed-512-slipstream", "fixed-512-trl"}
     assert all(r["status"] == "ok" for r in rows.values())
+    assert rows["sync"]["fairness"]["placement"].endswith("synchronous")  # the async row says so, with its bound
+    assert rows["async-staleness-1"]["fairness"]["placement"].endswith("asynchronous, max_staleness 1")
+    assert set(record["summary"]) == {"sync_over_async_step_time", "trl_over_slipstream_step_time"}

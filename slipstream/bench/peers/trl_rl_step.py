@@ -3,7 +3,7 @@
 Same recipe as the slipstream cells, translated into TRL's settings:
   model       an HF *ForCausalLM of the recipe's preset, random weights (seed trainer.seed),
               sdpa attention, the recipe's dtype (bf16 autocast via `bf16=True` on CUDA)
-  tokenizer   the recipe's char tokenizer (the HF tokenizer slipstream builds), no chat template
+  tokenizer   the recipe's char or id tokenizer (the HF tokenizer slipstream builds), no chat template
   prompts     the recipe's procedural task (`data.source: task:NAME` + `data.task_params`),
               `prompts_per_step x group_size` completions per optimizer step
   generation  TRL's default: `transformers` generate inside the trainer (no vLLM), with the
@@ -243,10 +243,12 @@ def build_trl_rl_trainer(cfg, steps: int, output_dir: str):
 
     from slipstream.bench.naive import build_hf_model
     from slipstream.models.presets import get_preset
-    from slipstream.models.tokenizer import build_char_tokenizer
+    from slipstream.controller.setup import build_tokenizer
 
-    if cfg.model.tokenizer != "char" or cfg.model.path:
-        raise ValueError("the TRL rl-step cell builds preset models with the char tokenizer (model.tokenizer: char)")
+    name = cfg.model.tokenizer or "char"
+    if cfg.model.path or not (name == "char" or name.startswith("ids:")):
+        raise ValueError("the TRL rl-step cell builds preset models with the char or id tokenizer "
+                         "(model.tokenizer: char or ids:VOCAB)")  # fmt: skip
     device = torch.device(cfg.trainer.device if cfg.trainer.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))  # fmt: skip
     model_cfg = get_preset(cfg.model.preset)
@@ -259,7 +261,7 @@ def build_trl_rl_trainer(cfg, steps: int, output_dir: str):
         output_dir=output_dir, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
         bf16=bf16, use_cpu=device.type == "cpu", dataloader_num_workers=0, **trl_settings(cfg),
     )  # fmt: skip
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_tokenizer(cfg)
     trainer = GRPOTrainer(
         model=model, reward_funcs=[reward_function(cfg, task)], args=args, train_dataset=dataset,
         processing_class=tokenizer,
