@@ -204,8 +204,10 @@ class DisaggregatedLoop:
                 metrics = st.train(batch, step_num)
             with timer.phase("update_weights"):
                 st.sync_weights(step_num + 1)
+        perf = st.perf(batch, samples, timer)
+        perf["perf/rollout_wait_ratio"] = st.rollout.wait_ratio  # the rollout ranks' own, sent with the batch
         return {
-            **metrics, **st.sample_metrics(samples, rewards), **st.perf(batch, samples, timer),
+            **metrics, **st.sample_metrics(samples, rewards), **perf,
             **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
         }  # fmt: skip
 

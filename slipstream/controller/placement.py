@@ -7,7 +7,8 @@ workers. The first N - R ranks train (`RLTrainer` with a `DisaggregatedLoop`); t
 stay among themselves (`engine.distributed.set_data_parallel_group`). Two channels join the sides:
 
     samples   each rollout rank sends its scored share of batch j to trainer rank 0 (pickled, point
-              to point over the CPU backend), which hands the whole batch to the other trainer ranks
+              to point over the CPU backend), which hands the whole batch to the other trainer ranks;
+              with it go the rank's seconds waiting for weights and working (perf/rollout_wait_ratio)
     weights   after each step, trainer rank 0 broadcasts the new weights to the rollout ranks in
               flat buckets over a group of {trainer rank 0} + rollout ranks (NCCL on GPUs, gloo on CPUs)
 
@@ -80,15 +81,16 @@ def make_placement(cfg: Config, device_type: str) -> Placement:
 
 
 # ---------------------------------------------------------------------- samples
-def send_samples(samples: list[Sample], dst: int) -> tuple[list, tuple[torch.Tensor, torch.Tensor]]:
-    """Start sending `samples` to rank `dst`; returns the pending works and the buffers they read (keep both
-    until the works are waited on)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(samples)), dtype=torch.uint8)
+def send_samples(samples: list[Sample], dst: int, stats: dict | None = None) -> tuple[list, tuple[torch.Tensor, torch.Tensor]]:
+    """Start sending `samples` (and the sender's `stats`) to rank `dst`; returns the pending works and the
+    buffers they read (keep both until the works are waited on)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps((samples, stats or {}))), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [dist.isend(size, dst), dist.isend(payload, dst)], (size, payload)
 
 
-def recv_samples(src: int) -> list[Sample]:
+def recv_samples(src: int) -> tuple[list[Sample], dict]:
+    """(samples, stats) that rank `src` sent."""
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, src)
     payload = torch.empty(int(size[0]), dtype=torch.uint8)
@@ -153,6 +155,8 @@ class RemoteRollout:
         self.placement, self.device = placement, device
         self.version = 0
         self.broadcast_s = 0.0
+        self.wait_ratio = 0.0
+        """Share of the last batch's cycle the rollout ranks spent waiting for weights (mean over the ranks)."""
 
     def update_weights(self, named_tensors, version: int) -> None:
         start = time.perf_counter()
@@ -175,15 +179,20 @@ class RemoteRollout:
     def gather_batch(self) -> list[Sample]:
         """Batch of the current step: every rollout rank's share, on every trainer rank, in group order."""
         samples: list[Sample] = []
+        ratios = []
         if self.placement.rank == 0:
             for src in self.placement.rollout_ranks:
-                samples += recv_samples(src)
+                part, stats = recv_samples(src)
+                samples += part
+                cycle = stats.get("wait_s", 0.0) + stats.get("busy_s", 0.0)
+                ratios.append(stats.get("wait_s", 0.0) / cycle if cycle > 0 else 0.0)
             samples.sort(key=lambda s: s.group_id)
         group = data_parallel_group()
         if len(self.placement.trainer_ranks) > 1:
-            box = [samples]
+            box = [(samples, ratios)]
             dist.broadcast_object_list(box, src=0, group=group)
-            samples = box[0]
+            samples, ratios = box[0]
+        self.wait_ratio = sum(ratios) / len(ratios) if ratios else 0.0
         return samples
 
 
@@ -228,14 +237,20 @@ class RolloutWorker:
         # broadcasts, which the trainer reaches after receiving the batches sent before them.
         pending = []
         try:
+            start = time.perf_counter()
             self._receive()  # the trainer's initial weights, version 0
             for j in range(total):
                 while self.version < j - self.eta:
                     self._receive()
+                waited = time.perf_counter() - start  # blocked on weights since the last batch was sent
+                start = time.perf_counter()
                 first, records = self._share(self.prompts.next_batch())
                 samples = generate_groups(self.rollout, self.sampling, records, first)
+                scored = score_samples(self.tokenizer, self.rewards, samples)
+                stats = {"wait_s": waited, "busy_s": time.perf_counter() - start}
                 pending = [p for p in pending if not all(w.is_completed() for w in p[0])]  # delivered: free them
-                pending.append(send_samples(score_samples(self.tokenizer, self.rewards, samples), dst=0))
+                pending.append(send_samples(scored, dst=0, stats=stats))
+                start = time.perf_counter()
             while self.version < total:  # the trainer broadcasts once more after its last step
                 self._receive()
             for works, _ in pending:

@@ -196,6 +196,9 @@ def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mo
     assert sum(rewards[:10]) / 10 < 0.2 and sum(rewards[-10:]) / 10 > 0.8
     lags = [m["async/staleness_max"] for m in trainer["metrics"]]
     assert max(lags) == (1 if mode == "async" else 0)
+    # the rollout rank's own wait, sent with each batch; in sync mode it waits for every step's weights
+    waits = [m["perf/rollout_wait_ratio"] for m in trainer["metrics"]]
+    assert all(0.0 <= w <= 1.0 for w in waits) and (mode == "async" or min(waits[1:]) > 0.0)
 
 
 def test_disaggregated_trains_the_same_on_one_and_two_fsdp_trainer_ranks(tmp_path):
