@@ -129,12 +129,15 @@ class RLTrainer:
         self.prompts = PromptSource(cfg, self.tokenizer, exclude=excluded_hashes(self.eval_sets))
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
         self.evaluator = None
+        self.eval_engine = None
+        """With a disaggregated placement: the trainer ranks' own engine for evals, given the trainer's weights
+        before each eval and asleep (cache freed, weights on the CPU) between them."""
         if self.eval_sets and placement is not None:
-            raise ValueError("eval sets with placement.rollout_ranks are not supported yet (the trainer ranks hold no "
-                             "rollout engine); set eval.sets={} or run colocated")  # fmt: skip
+            self.eval_engine = setup.build_rollout(cfg, self.model_cfg, self.device, compute_dtype)
+            self.eval_engine.sleep()
         if self.eval_sets:
             self.evaluator = Evaluator.build(
-                cfg, self.tokenizer, self.rollout, self.eval_sets, list(self.sampling.stop_token_ids),
+                cfg, self.tokenizer, self.eval_engine or self.rollout, self.eval_sets, list(self.sampling.stop_token_ids),
                 train_rewards=self.rewards, train_functions=self.prompts.reward_functions(),
                 rank=self.dp_rank, world=self.dp_size,
             )  # fmt: skip
@@ -286,8 +289,12 @@ class RLTrainer:
         Its time is its own phase: it is not part of perf/step_time, the throughput figures or the
         wait ratios, which the loop measured before.
         """
+        if self.eval_engine is not None:  # every trainer rank iterates the export (FSDP gathers collectively)
+            self.eval_engine.update_weights(self.engine.export_weights(), version=self.step_num)
         with self.loop.paused():
             metrics = self.evaluator.run()
+        if self.eval_engine is not None:
+            self.eval_engine.sleep()
         self.eval_schedule.last_step = self.step_num
         if self.rank == 0:
             log.info("%s", format_eval(self.step_num, metrics, self.eval_sets))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.config.schema import Config
+from slipstream.engine.distributed import data_parallel_group
 from slipstream.eval.metrics import Completion, ProblemResult, set_metrics
 from slipstream.eval.sets import EvalSet
 from slipstream.rewards.extract import extract_answer
@@ -188,7 +189,7 @@ class Evaluator:
         if self.world == 1:
             return results
         gathered: list = [None] * self.world
-        torch.distributed.all_gather_object(gathered, results)
+        torch.distributed.all_gather_object(gathered, results, group=data_parallel_group())
         return sorted((r for part in gathered for r in part), key=lambda r: r.index)
 
 

@@ -185,12 +185,16 @@ def test_disaggregated_rollout_rank_and_trainer_rank_learn_the_demo(tmp_path, mo
     demo is learned, and in async mode (max_staleness 1) generation runs one version behind."""
     out = tmp_path / "out"
     out.mkdir()
-    extra = ("logging.tensorboard=false", "trainer.export_hf=false", "eval.sets={}", f"trainer.mode={mode}",
-             "trainer.max_staleness=1")
+    extra = ("logging.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}", "trainer.max_staleness=1",
+             "eval.every_steps=60")  # fmt: skip
     mp.spawn(_disaggregated_worker, args=(2, free_port(), str(tmp_path / "run"), 120, extra, str(out)), nprocs=2,
              join=True)  # fmt: skip
     trainer, rollout = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert (trainer["role"], rollout["role"]) == ("RLTrainer", "RolloutWorker")
+    # the demo's eval runs on the trainer rank's own engine (asleep between evals): before training and every 60
+    evals = {m["step"]: m["eval/sum/accuracy"] for m in trainer["metrics"] if "eval/sum/accuracy" in m}
+    assert sorted(evals) == [0, 60, 120] and evals[0] < 0.5 and evals[120] >= 0.8, evals
+    trainer["metrics"] = [m for m in trainer["metrics"] if "reward/mean" in m]
     rewards = [m["reward/mean"] for m in trainer["metrics"]]
     assert len(rewards) == 120
     assert sum(rewards[:10]) / 10 < 0.2 and sum(rewards[-10:]) / 10 > 0.8
