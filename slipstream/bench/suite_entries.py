@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,16 @@ def command_row(cmd: list[str], out_json: bool = False, timeout_s: int | None = 
     with tempfile.TemporaryDirectory(prefix="slipstream-suite-") as tmp:
         out = Path(tmp) / "out.json"
         full = [sys.executable, *cmd, *([str(out)] if out_json else [])]
-        proc = subprocess.run(full, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        # a session of its own: at the time limit the whole tree goes (torchrun's ranks hold GPUs)
+        proc = subprocess.Popen(full, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        proc = subprocess.CompletedProcess(full, proc.returncode, stdout, stderr)
         data = json.loads(out.read_text()) if out_json and out.exists() else None
     return {
         "kind": "command", "status": "ok" if proc.returncode == 0 else "error", "command": " ".join(cmd),
@@ -380,11 +390,14 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
     return rows
 
 
-def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int) -> dict:
+def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s: int | None = None) -> dict:
     """Run a (torchrun) `slipstream train` into a temporary run_dir; what the trainer's metrics.jsonl says of
     its steps after the first `warmup`: step time, samples per hour, wait ratios, staleness, weight-sync time."""
     with tempfile.TemporaryDirectory(prefix="slipstream-rl-") as tmp:
-        result = command_row([*cmd, f"trainer.run_dir={tmp}/run"])
+        try:  # torchrun and its ranks are stopped at the limit (they hold GPUs the next rows need)
+            result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"kind": "rl_run", "status": "error", "reason": f"timed out after {timeout_s} s"}
         path = Path(tmp) / "run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     steps = [r for r in rows if "perf/step_time" in r][warmup:]
@@ -425,7 +438,8 @@ def async_gpus_rows(quick: bool) -> list[Row]:
         for eta in (1, 4):
             variants[f"async-disaggregated-{rollout_ranks}to{n - rollout_ranks}-staleness-{eta}"] = [
                 "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={rollout_ranks}"]  # fmt: skip
-    return [Row(name, lambda e=extra: _rl_run_result([*train, *e], warmup, samples), 60 if quick else 300,
+    estimate = 60 if quick else 300
+    return [Row(name, lambda e=extra: _rl_run_result([*train, *e], warmup, samples, 3 * estimate), estimate,
                 min_gpus=0 if quick else n)
             for name, extra in variants.items()]  # fmt: skip
 

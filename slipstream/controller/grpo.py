@@ -63,6 +63,9 @@ def build_trainer(cfg: Config, *, overwrite: bool = False) -> "RLTrainer | Rollo
     """What this process runs: the trainer, or, on the rollout ranks of a disaggregated placement, a
     rollout worker (both have fit(), rank and run_dir)."""
     if cfg.placement.rollout_ranks > 0:
+        if parse_backend(cfg.actor.backend)[0] == "megatron":  # its parallel state spans the whole world
+            raise ValueError("placement.rollout_ranks runs the trainer ranks on actor.backend=local (one trainer "
+                             "rank) or fsdp; megatron is not supported beside rollout ranks")  # fmt: skip
         placement = make_placement(cfg, setup.pick_device(cfg.trainer.device).type)
         if placement.role == "rollout":
             return RolloutWorker(cfg, placement)
@@ -86,7 +89,8 @@ class RLTrainer:
         if self.world > 1 and parse_backend(cfg.actor.backend)[0] == "local":
             raise ValueError(
                 f"{self.world} {'trainer ' if placement is not None else ''}processes need a distributed backend: "
-                "set actor.backend=fsdp (or megatron); the local backend trains in one process"
+                f"set actor.backend=fsdp{'' if placement is not None else ' (or megatron)'}; the local backend trains "
+                "in one process"
             )
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
@@ -110,7 +114,7 @@ class RLTrainer:
                 f"processes, {self.dp_size} data-parallel ranks from actor.backend={cfg.actor.backend!r}); "
                 "tensor / pipeline parallel layouts run under `slipstream bench train-step`"
             )
-        if cfg.rollout.prompts_per_step % self.dp_size:
+        if cfg.rollout.prompts_per_step % self.dp_size and placement is None:  # rollout ranks split their own way
             raise ValueError(
                 f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                 f"{self.dp_size} data-parallel ranks (each rank generates whole groups)"
@@ -266,11 +270,13 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop what runs beside the trainer: the rollout producer (async), the loggers, the reward workers."""
-        self.loop.close()
-        self.logger.close()
-        if self.evaluator is not None:
-            self.evaluator.close(keep=self.rewards)
-        self.rewards.close()
+        try:
+            self.loop.close()
+            self.logger.close()  # may raise (a logging backend's finish): the workers are stopped regardless
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.close(keep=self.rewards)
+            self.rewards.close()
 
     def step(self) -> dict[str, float]:
         """One step of the loop; afterwards the policy (and the rollout's weights) are version step_num."""

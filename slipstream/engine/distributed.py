@@ -96,8 +96,9 @@ def dp_mesh(device_type: str) -> DeviceMesh:
 def set_data_parallel_group(group: dist.ProcessGroup | None) -> None:
     """Restrict the trainer's collectives (`all_reduce_`, `world_size`, `rank`, ...) to `group`: with a
     disaggregated placement the rollout ranks are in the world but not in the trainer's reductions."""
-    global _dp_group
+    global _dp_group, _mesh
     _dp_group = group
+    _mesh = None  # a mesh built before belongs to the old group
 
 
 def data_parallel_group() -> dist.ProcessGroup | None:

@@ -219,13 +219,20 @@ class RewardRunner:
             process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            if main_thread:
+            if main_thread and previous is not None:  # None: a handler installed from C, left in place
                 signal.signal(signal.SIGINT, previous)
-        if deferred and callable(previous):
-            previous(signal.SIGINT, None)
-        # Close our copy of the child's end so that a dead worker shows up as EOF on parent_conn.
-        child_conn.close()
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+            # Close our copy of the child's end so that a dead worker shows up as EOF on parent_conn.
+            child_conn.close()
+        worker = _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+        if deferred:  # the Ctrl-C, now, through whatever handler is back in place; the worker is not leaked
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except BaseException:
+                process.kill()
+                process.join(timeout=1.0)
+                parent_conn.close()
+                raise
+        return worker
 
     def _replace_worker(self, worker: _Worker) -> None:
         worker.process.kill()

@@ -227,3 +227,14 @@ def test_disaggregated_trains_the_same_on_one_and_two_fsdp_trainer_ranks(tmp_pat
     # the same loss summed in another order (two shards): measured up to 1.2e-4 relative (0.0013363 vs 0.0013365),
     # and 9e-10 where one side is exactly 0
     assert [m["actor/pg_loss"] for m in runs[3]] == pytest.approx([m["actor/pg_loss"] for m in runs[2]], rel=1e-3, abs=1e-6)
+
+
+def test_megatron_beside_rollout_ranks_is_refused_before_any_process_group():
+    """Megatron's parallel state spans the whole world: beside rollout ranks every rank stops with one message
+    instead of hanging in its set-up."""
+    from slipstream.controller.grpo import build_trainer
+
+    cfg = load_config("recipes/demo.yaml", ["placement.rollout_ranks=1", "actor.backend=megatron"])
+    with pytest.raises(ValueError, match="megatron is not supported beside rollout ranks"):
+        build_trainer(cfg)
+    assert not torch.distributed.is_initialized()
