@@ -22,23 +22,15 @@ import torch
 
 from slipstream.ops import decode_attention
 from slipstream.ops.attention import cache_attention
+from slipstream.perf.timers import repeat_timed
 
 CASES = {"b256-ctx1100": (256, 1100), "b64-ctx768": (64, 768), "b8-ctx3000": (8, 3000), "b1-ctx4000": (1, 4000)}
 CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
 
 
-def _time(fn) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
+def _time(fn, device: torch.device) -> float:
+    """Median seconds of 20 calls after 5 warm-ups (CUDA events)."""
+    return statistics.median(repeat_timed(fn, device, repeats=20, warmup=5)[0])
 
 
 def main() -> None:
@@ -62,12 +54,13 @@ def main() -> None:
         cu_q = torch.arange(batch + 1, device=dev, dtype=torch.int32)
         kv_bytes = int(lengths.sum()) * 8 * 128 * 2 * 2
         splits = decode_attention.choose_splits(batch, 8, dev)
-        flash = _time(lambda: cache_attention(q, k, v, cu_q, cu_k, lengths, 1, slot_len, False, decode_kernel="flash"))
+        flash = _time(lambda: cache_attention(q, k, v, cu_q, cu_k, lengths, 1, slot_len, False, decode_kernel="flash"),
+                      dev)  # fmt: skip
         rows.append({"case": name, "kernel": "flash", "s": flash, "tb_per_s": kv_bytes / flash / 1e12})
         for cfg in CONFIGS:
             decode_attention.LAUNCH.update(cfg)
             try:
-                t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, splits))
+                t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, splits), dev)
             except Exception as err:  # a configuration the compiler refuses (shared memory): skip it
                 print(f"{name} {cfg}: {type(err).__name__}")
                 continue

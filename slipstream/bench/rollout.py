@@ -30,6 +30,7 @@ import torch
 
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
+from slipstream.perf.mfu import lookup_device
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.kv_cache import kv_bytes_per_token
 
@@ -46,8 +47,8 @@ HBM_BANDWIDTH: tuple[tuple[str, float], ...] = (
 
 
 def hbm_bandwidth(device_name: str) -> float | None:
-    name = device_name.upper().replace("-", " ")
-    return next((bw for key, bw in HBM_BANDWIDTH if key in name), None)
+    """HBM bandwidth (bytes/s) for a device name as torch reports it, or None if unknown."""
+    return lookup_device(HBM_BANDWIDTH, device_name)
 
 
 @dataclass(frozen=True)

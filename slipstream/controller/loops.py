@@ -21,7 +21,24 @@ from slipstream.controller.stages import Stages, rollout_oom_advice
 from slipstream.perf.timers import PhaseTimer
 
 
-class SyncLoop:
+class _StepwiseLoop:
+    """A loop with nothing in flight between its steps: no state to save, nothing to stop, and the
+    rollout engine idle for another user (an eval) whenever the loop is not inside step()."""
+
+    def state_dict(self, next_step: int) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def paused(self):
+        return contextlib.nullcontext()
+
+
+class SyncLoop(_StepwiseLoop):
     """One synchronous RL step per call."""
 
     def __init__(self, stages: Stages, prompts: PromptSource) -> None:
@@ -78,19 +95,6 @@ class SyncLoop:
         metrics = {"async/dropped_zero_adv_groups": float(dropped), "async/extra_prompts": float(extra)}
         return [s for g in kept for s in g], metrics
 
-    def state_dict(self, next_step: int) -> dict:
-        """Nothing is in flight between sync steps."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def paused(self):
-        """The rollout engine, idle, for another user (an eval); the sync loop's is idle between steps."""
-        return contextlib.nullcontext()
 
 
 class AsyncLoop:
@@ -183,7 +187,7 @@ def within_bound(samples: list, step_num: int, max_staleness: int) -> tuple[list
     return [s for s in samples if s.group_id not in stale], len(stale)
 
 
-class DisaggregatedLoop:
+class DisaggregatedLoop(_StepwiseLoop):
     """The trainer ranks' loop when other ranks generate (controller/placement.py): take the step's batch
     from the rollout ranks, train, broadcast the new weights."""
 
@@ -211,14 +215,3 @@ class DisaggregatedLoop:
             **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
         }  # fmt: skip
 
-    def state_dict(self, next_step: int) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def paused(self):
-        return contextlib.nullcontext()

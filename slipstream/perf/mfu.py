@@ -34,14 +34,16 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def lookup_peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s for a device name as torch reports it, or None if unknown."""
+def lookup_device(table: tuple[tuple[str, float], ...], device_name: str) -> float | None:
+    """The value of the first key of `table` found in a device name as torch reports it, or None."""
     # Names come as "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe".
     name = device_name.upper().replace("-", " ")
-    for key, peak in PEAK_BF16_FLOPS:
-        if key in name:
-            return peak
-    return None
+    return next((value for key, value in table if key in name), None)
+
+
+def lookup_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a device name as torch reports it, or None if unknown."""
+    return lookup_device(PEAK_BF16_FLOPS, device_name)
 
 
 _OVERRIDE = "trainer.peak_flops (slipstream bench: --peak-flops)"
