@@ -302,16 +302,26 @@ def multi_gpu_summary(rows: list[dict]) -> dict:
 # ---------------------------------------------------------------- whole runs: the README demo, rl-step, plan balance
 
 
+def _train_run(cmd: list[str], timeout_s: int | None = None) -> tuple[dict, list[dict]]:
+    """Run a (torchrun) `slipstream train` command into a temporary run_dir: (the command's row, the training
+    rows of its metrics.jsonl, i.e. those with a step time: the eval before training logs a row of its own)."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-train-") as tmp:
+        try:  # torchrun and its ranks are stopped at the limit (they hold GPUs the next rows need)
+            result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"kind": "command", "status": "error", "reason": f"timed out after {timeout_s} s"}, []
+        path = Path(tmp) / "run" / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return result, [r for r in rows if "perf/step_time" in r]
+
+
 def _demo_result(cmd: list[str]) -> dict:
     """Run a `slipstream train` command into a temporary run_dir; reward trend and step times from metrics.jsonl."""
-    with tempfile.TemporaryDirectory(prefix="slipstream-demo-") as tmp:
-        result = command_row([*cmd, f"trainer.run_dir={tmp}/run"])
-        path = Path(tmp) / "run" / "metrics.jsonl"
-        steps = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    result, steps = _train_run(cmd)
     if result["status"] != "ok" or not steps:
         return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
     rewards = [s["reward/mean"] for s in steps]
-    times = [s["perf/step_time"] for s in steps if "perf/step_time" in s]
+    times = [s["perf/step_time"] for s in steps]
     return {
         **result, "kind": "train", "steps": len(steps), "reward_first10": statistics.mean(rewards[:10]),
         "reward_last10": statistics.mean(rewards[-10:]), "step_time_median_s": statistics.median(times),
@@ -393,14 +403,8 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
 def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s: int | None = None) -> dict:
     """Run a (torchrun) `slipstream train` into a temporary run_dir; what the trainer's metrics.jsonl says of
     its steps after the first `warmup`: step time, samples per hour, wait ratios, staleness, weight-sync time."""
-    with tempfile.TemporaryDirectory(prefix="slipstream-rl-") as tmp:
-        try:  # torchrun and its ranks are stopped at the limit (they hold GPUs the next rows need)
-            result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"kind": "rl_run", "status": "error", "reason": f"timed out after {timeout_s} s"}
-        path = Path(tmp) / "run" / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    steps = [r for r in rows if "perf/step_time" in r][warmup:]
+    result, steps = _train_run(cmd, timeout_s)
+    steps = steps[warmup:]
     if result["status"] != "ok" or not steps:
         return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
 

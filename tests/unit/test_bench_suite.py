@@ -119,3 +119,10 @@ def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
     assert rows["sync"]["fairness"]["placement"].endswith("synchronous")  # the async row says so, with its bound
     assert rows["async-staleness-1"]["fairness"]["placement"].endswith("asynchronous, max_staleness 1")
     assert set(record["summary"]) == {"sync_over_async_step_time", "trl_over_slipstream_step_time"}
+
+
+def test_quick_demo_reads_training_rows_beside_the_eval_rows(tmp_path):
+    assert suite.run_suite_command(_args("--quick", "--only", "demo", "--out", str(tmp_path))) == 0
+    (row,) = json.loads((tmp_path / "demo.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["steps"] == 20  # the step-0 eval row is not a step
+    assert 0.0 <= row["reward_first10"] <= 1.0 and row["step_time_median_s"] > 0
