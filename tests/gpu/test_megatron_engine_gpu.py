@@ -45,13 +45,15 @@ LOGPROB_TOL = {"fp32": (2e-5, 5e-6), "bf16": (0.05, 0.01)}
 # (|rel| < 3e-6), pg_loss equal to 6 digits (< 1e-6), ratio 1.0000 at all 20 steps (< 5e-5), last
 # KL 1.135e-01 on both (rel < 5e-4); tolerances 10x, 10x, 20x and 2x those bounds.
 # bf16: the engines round at different points (fused vs unfused norms, attention layout), so the
-# trajectories drift apart step by step. Measured at 2450cbf
-# (docs/results/2026-12-02-h200-gpu-tests-megatron-engine-2450cbf.txt): first-step grad-norm rel
-# 4.7e-05, pg_loss equal to 6 digits, ratio band |r - 1| max 0.151, last KL rel 4.4e-03; at aa720c0
-# (docs/results/2026-12-03-h200-gpu-tests-megatron-engine-aa720c0.txt) band max 0.065. Tolerances
-# 10x, 100x, 1.3x and 4.5x the largest. A loss divided by the number of micro-batches or tokens
-# (verl's "grad norm ~3x FSDP") puts the ratio near 3 or 1/3, far outside the band.
-GRAD_TOL = {"fp32": (3e-5, 1e-5, 1e-3, 1e-3), "bf16": (5e-4, 1e-4, 0.2, 0.02)}
+# trajectories drift apart step by step. Measured at 2450cbf and aa720c0, when the two bf16 forwards
+# still agreed bit for bit: first-step grad-norm rel 4.7e-05, band max 0.151. Since e71e83b the bf16
+# log-probs differ (max 2.3e-02, above) and, measured at 1e3af9f on megatron-core 0.16.1 and 0.19.2
+# (docs/results/2026-12-04-h200-gpu-tests-megatron-engine-1e3af9f.txt): first-step grad norm
+# 1.89689 (fsdp) / 1.89961 (megatron; the fp32 value is 1.89958), rel 1.43e-03; first-step pg_loss
+# |diff| 3.6e-05; band |r - 1| max 0.158 (0.16.1) and 0.107 (0.19.2); last KL rel 1.3e-02.
+# Tolerances 3.5x, 2.8x, 1.27x and 1.5x the largest. A loss divided by the number of micro-batches
+# or tokens (verl's "grad norm ~3x FSDP") puts the ratio near 3 or 1/3, far outside the band.
+GRAD_TOL = {"fp32": (3e-5, 1e-5, 1e-3, 1e-3), "bf16": (5e-3, 1e-4, 0.2, 0.02)}
 
 
 Loss = SpecLoss  # the engines' LossFn over a LossSpec (needs_entropy=True)
