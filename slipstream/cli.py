@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -166,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack on stderr, the run goes on
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (RuntimeError, ValueError, AttributeError):  # a stderr without a file descriptor (captured)
+            pass
     try:
         return args.func(args)
     except KeyboardInterrupt:  # any command; train says more about what it left behind

@@ -282,6 +282,8 @@ class TrainerSection:
     """async: a trained token was sampled at most this many policy versions (weight syncs) before the trainer's; 0 reproduces sync."""
     stop_on_nan: bool = True
     """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
+    stall_dump_s: float = 600.0
+    """When a step or an eval has run this many seconds, write the Python stack of every thread to run_dir/stacks.txt (stacks-rank<r>.txt on other ranks) and warn, again every as many seconds while it lasts; the run goes on (0: off). `kill -USR1 <pid>` prints the stacks at any time."""
 
 
 @dataclass
@@ -427,6 +429,7 @@ def check_config(cfg: Config) -> None:
             "actor.grad_clip": cfg.actor.grad_clip,
             "trainer.save_every": cfg.trainer.save_every,
             "trainer.max_staleness": cfg.trainer.max_staleness,
+            "trainer.stall_dump_s": cfg.trainer.stall_dump_s,
             "placement.rollout_ranks": cfg.placement.rollout_ranks,
             "algo.dynamic_sampling_max_prompts": a.dynamic_sampling_max_prompts,
             "eval.every_steps": cfg.eval.every_steps,

@@ -34,7 +34,7 @@ from slipstream.controller.placement import Placement, RemoteRollout, RolloutWor
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.run_dir import open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
-from slipstream.controller.watch import TruncationWatch
+from slipstream.controller.watch import StallWatch, TruncationWatch
 from slipstream.engine.distributed import all_reduce_, data_parallel_group
 from slipstream.engine.distributed import rank as dp_rank
 from slipstream.engine.distributed import world_size as dp_world_size
@@ -147,6 +147,8 @@ class RLTrainer:
             )  # fmt: skip
         self.eval_schedule = EvalSchedule(cfg.eval.every_steps, cfg.eval.before_training, cfg.trainer.total_steps)
         self.truncation = TruncationWatch(cfg.rollout.max_new_tokens)
+        stacks = "stacks.txt" if self.rank == 0 else f"stacks-rank{self.rank}.txt"
+        self.stall = StallWatch(self.run_dir / stacks, cfg.trainer.stall_dump_s)
         peak_flops = device_peak_flops(
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu", cfg.trainer.peak_flops
         )
@@ -209,11 +211,14 @@ class RLTrainer:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             if self._eval_due():  # the baseline before training (its own record, at step 0)
-                self.logger.log(self.step_num, self.evaluate())
+                with self.stall.phase(f"the eval at step {self.step_num}"):
+                    self.logger.log(self.step_num, self.evaluate())
             while self.step_num < self.cfg.trainer.total_steps and not self._any_rank(stop_requested):
-                metrics = self.step()
+                with self.stall.phase(f"step {self.step_num + 1}"):
+                    metrics = self.step()
                 if self._eval_due():  # after the step's weight sync: the rollout holds this policy
-                    metrics.update(self.evaluate())
+                    with self.stall.phase(f"the eval at step {self.step_num}"):
+                        metrics.update(self.evaluate())
                 self.logger.log(self.step_num, metrics)
                 every = self.cfg.trainer.save_every
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:

@@ -1,6 +1,7 @@
 """The run fails loudly and usefully: NaN stops it, OOM names the setting, a bad reward never kills it."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -69,3 +70,31 @@ def test_out_of_memory_in_rollout_names_the_setting(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.rollout, "generate", oom)
     with pytest.raises(OutOfMemory, match="lower rollout.gpu_memory_fraction .*rollout.max_batch_size"):
         trainer.step()
+
+
+def test_a_stalled_step_dumps_every_thread_stack_and_goes_on(tmp_path, monkeypatch, caplog):
+    trainer = _trainer(tmp_path / "run", "trainer.total_steps=2", "trainer.stall_dump_s=0.2")
+    real = trainer.loop.step
+
+    def step_stuck_in_a_wait(step_num):
+        if step_num == 1:  # the second step waits 0.7 s in a function the dump must name
+            _slow_collective_for_the_test(0.7)
+        return real(step_num)
+
+    monkeypatch.setattr(trainer.loop, "step", step_stuck_in_a_wait)
+    with caplog.at_level("WARNING", logger="slipstream.controller.watch"):
+        trainer.fit()
+    stacks = (tmp_path / "run" / "stacks.txt").read_text()
+    step2 = [d for d in stacks.split("=== ") if d.startswith("step 2 has run for ")]
+    assert len(step2) >= 3  # 0.7 s of waiting at one dump per 0.2 s (the rest of the step may add more)
+    assert "_slow_collective_for_the_test" in step2[0] and "step_stuck_in_a_wait" in step2[0]
+    assert "Thread 0x" in step2[0]  # every thread, not only the main one
+    assert trainer.step_num == 2  # the run went on
+    dumps = trainer.stall.dumps
+    time.sleep(0.5)
+    assert trainer.stall.dumps == dumps  # the watch ended with the run
+    assert any("stall_dump_s=0.2" in r.getMessage() and "stacks.txt" in r.getMessage() for r in caplog.records)
+
+
+def _slow_collective_for_the_test(seconds: float) -> None:
+    time.sleep(seconds)
