@@ -4,10 +4,11 @@ Packed layout (training and log-prob passes): q (T, Hq, D), k/v (T, Hkv, D) hold
 sequences back to back; `cu_seqlens` (n+1,) int32 marks where each starts. A token may only
 attend to earlier tokens of its own sequence.
 
-Backends, chosen per call by `select_backend`:
+Backends, chosen per call by `select_backend` (flex only when named):
   "varlen" torch.nn.attention.varlen.varlen_attn (FlashAttention, CUDA, fp16/bf16, torch>=2.10)
-  "flex"   flex_attention with a document-causal block mask (CUDA, any float dtype)
-  "sdpa"   one F.scaled_dot_product_attention call per sequence: the simple reference path
+  "flex"   flex_attention with a document-causal block mask (CUDA, any float dtype; compiled)
+  "sdpa"   F.scaled_dot_product_attention per sequence, or one call with a document mask for a
+           small packed batch: the reference path, and float32's
 """
 
 from __future__ import annotations
@@ -47,11 +48,19 @@ def _flex_fns():
 
 
 def select_backend(q: torch.Tensor) -> str:
-    """Pick the fastest backend that supports this device and dtype."""
+    """FlashAttention varlen for fp16 / bf16 on CUDA; SDPA otherwise (float32 anywhere, the CPU).
+
+    float32 on CUDA takes SDPA rather than flex: flex compiles its kernels at the first call and
+    again at the first new length, which cost the first training step 18 s (the demo) and 59 s
+    (SmolLM2, 4k tokens) on the H200, and a SmolLM2 run on that path stalled in its first step (not
+    isolated: docs/results/2026-12-04-h200-smollm2-rg-stalled.log). flex stays available by name,
+    and inside a compiled region (actor.compile), where the SDPA path's host-side sequence bounds
+    would break the graph at every layer and recompile for every batch.
+    """
     if q.is_cuda:
         if q.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None:
             return "varlen"
-        if _flex_fns() is not None:
+        if torch.compiler.is_compiling() and _flex_fns() is not None:
             return "flex"
     return "sdpa"
 
