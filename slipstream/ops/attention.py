@@ -98,41 +98,53 @@ def sdpa_varlen_attention(
 ) -> torch.Tensor:
     """Reference path: causal SDPA within each sequence (simple, correct, any device).
 
-    Small batches of several sequences (T^2 <= MASKED_SDPA_MAX_ELEMENTS) run as ONE SDPA call with
-    a document-causal boolean mask: the per-sequence loop is launch-bound there (the CPU demo packs
-    128 sequences of 4 tokens). Larger batches loop over the sequences, never building a T x T mask.
+    Consecutive sequences are attended in groups of up to MASKED_SDPA_MAX_TOKENS tokens, one SDPA
+    call with a document-causal mask per group (a group of one sequence: a plain causal call). One
+    call per sequence is launch-bound where sequences are short (the CPU demo packs 128 sequences
+    of 4 tokens; an RL batch of short answers, a few thousand calls per pass); one call over the
+    whole batch would attend T x T. A group bounds both: its mask holds at most the limit squared.
     """
-    if 1 < cu_seqlens.numel() - 1 and q.shape[0] ** 2 <= MASKED_SDPA_MAX_ELEMENTS:
-        return _masked_sdpa(q, k, v, cu_seqlens, scale)
-    out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # one host sync; fine for the CPU / fallback path
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        # SDPA wants (..., H, L, D); enable_gqa lets kv heads be shared without a repeat copy.
-        qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1)
-        vs = v[start:end].transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[0] != qs.shape[0]
-        )
-        out[start:end] = o.transpose(0, 1)
+    bounds = cu_seqlens.tolist()  # one host sync
+    groups = _sequence_groups(bounds, MASKED_SDPA_MAX_TOKENS)
+    if len(groups) == 1 and groups[0][0][0] == 0 and groups[0][-1][1] == q.shape[0]:
+        return _attend_group(q, k, v, groups[0], scale)
+    out = torch.zeros_like(q)  # rows of empty-sequence padding, if any, stay 0
+    for group in groups:
+        start, end = group[0][0], group[-1][1]
+        out[start:end] = _attend_group(q[start:end], k[start:end], v[start:end], group, scale)
     return out
 
 
-MASKED_SDPA_MAX_ELEMENTS = 2048 * 2048
-"""Largest T x T document mask `sdpa_varlen_attention` builds instead of looping over sequences."""
+MASKED_SDPA_MAX_TOKENS = 2048
+"""Most tokens of consecutive sequences that `sdpa_varlen_attention` attends in one masked SDPA call."""
 
 
-def _masked_sdpa(q, k, v, cu_seqlens, scale):
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device, torch.int64)
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
-    pos = torch.arange(q.shape[0], device=q.device)
+def _sequence_groups(bounds: list[int], limit: int) -> list[list[tuple[int, int]]]:
+    """Consecutive non-empty (start, end) spans, grouped while a group spans at most `limit` tokens;
+    a longer sequence is a group of its own."""
+    groups: list[list[tuple[int, int]]] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        if groups and end - groups[-1][0][0] <= limit:
+            groups[-1].append((start, end))
+        else:
+            groups.append([(start, end)])
+    return groups
+
+
+def _attend_group(q, k, v, spans: list[tuple[int, int]], scale) -> torch.Tensor:
+    """Causal attention within each of `spans` (back to back, the first at row 0 of q / k / v)."""
+    qs, ks, vs = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants (..., H, L, D)
+    gqa = ks.shape[0] != qs.shape[0]  # kv heads shared without a repeat copy
+    if len(spans) == 1:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(0, 1)
+    lengths = torch.tensor([end - start for start, end in spans])
+    doc = torch.repeat_interleave(torch.arange(len(spans)), lengths).to(q.device)
+    pos = torch.arange(doc.numel(), device=q.device)
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )  # fmt: skip
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
 
 

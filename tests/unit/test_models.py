@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from slipstream.models import hf as hf_io
@@ -118,21 +119,35 @@ def test_attention_matches_float64_block_diagonal_reference():
                          torch.ones(1, 3, 3, dtype=torch.bool))
 
 
-def test_sdpa_masked_and_per_sequence_paths_agree(monkeypatch):
-    # Small packed batches take one masked SDPA call; large ones loop over sequences. Same result.
+def test_sdpa_masked_groups_and_per_sequence_paths_agree(monkeypatch):
+    # Consecutive sequences share one masked SDPA call up to MASKED_SDPA_MAX_TOKENS tokens; longer
+    # ones, or a limit of 0, run one causal call each. Same result, and the same as float64.
     torch.manual_seed(1)
-    lens = (3, 1, 9, 5)
+    lens = (3, 1, 9, 0, 5, 2)
     q, k, v = (torch.randn(sum(lens), h, 8, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    bounds = cu.tolist()
+    assert attention._sequence_groups(bounds, 64) == [[(0, 3), (3, 4), (4, 13), (13, 18), (18, 20)]]
+    assert attention._sequence_groups(bounds, 7) == [[(0, 3), (3, 4)], [(4, 13)], [(13, 18), (18, 20)]]
+    assert attention._sequence_groups(bounds, 0) == [[(0, 3)], [(3, 4)], [(4, 13)], [(13, 18)], [(18, 20)]]
     grad = torch.randn(sum(lens), 4, 8)
     results = []
-    for limit in (attention.MASKED_SDPA_MAX_ELEMENTS, 0):  # masked, then forced per-sequence
-        monkeypatch.setattr(attention, "MASKED_SDPA_MAX_ELEMENTS", limit)
+    for limit in (64, 7, 0):  # one group, three groups, one call per sequence
+        monkeypatch.setattr(attention, "MASKED_SDPA_MAX_TOKENS", limit)
         out = sdpa_varlen_attention(q, k, v, cu, scale=0.3)
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
-    for a, b in zip(*results):
-        # measured max |diff| 3.6e-07 (14% of the tolerance): 7x margin
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            # measured max |diff| 3.6e-07 over outputs and gradients: 2.8x margin on atol
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # float64 reference of the forward, one sequence at a time
+    ref = torch.cat([
+        F.scaled_dot_product_attention(*(x[s:e].double().transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                       scale=0.3, enable_gqa=True).transpose(0, 1)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ])  # fmt: skip
+    # measured max |diff| 2.5e-07 against float64 (all three limits): 4x margin
+    torch.testing.assert_close(results[1][0].double(), ref, atol=1e-6, rtol=0)
 
 
 def _fake_varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
