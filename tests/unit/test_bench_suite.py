@@ -126,3 +126,19 @@ def test_quick_demo_reads_training_rows_beside_the_eval_rows(tmp_path):
     (row,) = json.loads((tmp_path / "demo.json").read_text())["rows"]
     assert row["status"] == "ok" and row["steps"] == 20  # the step-0 eval row is not a step
     assert 0.0 <= row["reward_first10"] <= 1.0 and row["step_time_median_s"] > 0
+
+
+def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
+    assert suite.run_suite_command(_args("--quick", "--only", "real-model", "--out", str(tmp_path))) == 0
+    record = json.loads((tmp_path / "real-model.json").read_text())
+    rows = {r["row"]: r for r in record["rows"]}
+    assert set(rows) == {"demo-sync", "demo-async-staleness-1"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["steps"] == 4
+        # the demo evaluates before training and after the last step: two points, in time order
+        assert [p["step"] for p in row["eval_curve"]] == [0, 4]
+        assert 0 < row["eval_curve"][0]["elapsed_s"] < row["eval_curve"][1]["elapsed_s"] <= row["wall_s"]
+        (name,) = row["before"]
+        assert row["gain_points"][name] == pytest.approx(100 * (row["after"][name] - row["before"][name]))
+    assert rows["demo-async-staleness-1"]["staleness_mean"] is not None and rows["demo-sync"]["staleness_mean"] is None
+    assert record["summary"]["demo_sync_over_async_step_time"] > 0
