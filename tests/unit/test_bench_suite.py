@@ -139,6 +139,6 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
         assert [p["step"] for p in row["eval_curve"]] == [0, 4]
         assert 0 < row["eval_curve"][0]["elapsed_s"] < row["eval_curve"][1]["elapsed_s"] <= row["wall_s"]
         (name,) = row["before"]
-        assert row["gain_points"][name] == pytest.approx(100 * (row["after"][name] - row["before"][name]))
+        assert row["gain_points"][name] == 100 * (row["after"][name] - row["before"][name])  # the same arithmetic
     assert rows["demo-async-staleness-1"]["staleness_mean"] is not None and rows["demo-sync"]["staleness_mean"] is None
     assert record["summary"]["demo_sync_over_async_step_time"] > 0
