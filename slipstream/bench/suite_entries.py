@@ -394,7 +394,10 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
         rl = {"recipe": os.path.relpath(REPO / "bench" / "recipe_w1_rl_step.yaml"), "steps": 3, "warmup_steps": 1,
               "budgets": "w1", "ignore_stop": True, "overrides": []}  # fmt: skip
         device = "cuda"
-    modes = {"sync": [], "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
+    # sync-awake: the engine keeps its weights, KV cache and decode graphs while the actor trains (no sleep /
+    # wake, no graph recapture each step): what the sleep costs where the memory allows both
+    modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"],
+             "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
     rows = [
         _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
              "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
@@ -459,12 +462,15 @@ def async_gpus_rows(quick: bool) -> list[Row]:
 
 
 def rl_step_w1_summary(rows: list[dict]) -> dict:
-    """Whole-step time ratios (medians) from this file's rows: sync over async, TRL over slipstream (fixed budget)."""
+    """Whole-step time ratios (medians) from this file's rows: sync over async, sync over sync without the engine's
+    sleep, TRL over slipstream (fixed budget)."""
     step = {r["row"]: r["phases"]["step"]["time_s"] for r in rows
             if r.get("status") == "ok" and r.get("phases", {}).get("step")}  # fmt: skip
     out = {}
     if {"sync", "async-staleness-1"} <= set(step):
         out["sync_over_async_step_time"] = step["sync"] / step["async-staleness-1"]
+    if {"sync", "sync-awake"} <= set(step):
+        out["sync_over_sync_awake_step_time"] = step["sync"] / step["sync-awake"]
     if {"fixed-512-slipstream", "fixed-512-trl"} <= set(step):
         out["trl_over_slipstream_step_time"] = step["fixed-512-trl"] / step["fixed-512-slipstream"]
     return out
@@ -597,8 +603,9 @@ register(Entry("demo", "the README demo (GRPO on sum-mod10, tiny model): reward 
                device="any"))  # fmt: skip
 register(Entry("rollout", "the builtin rollout engine against the memory-bandwidth bound: fixed shape (with "
                "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows))  # fmt: skip
-register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync and "
-               "async (max_staleness 1); slipstream vs TRL's GRPOTrainer on a fixed 512-token budget", rl_step_w1_rows,
+register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync (with "
+               "and without the engine's sleep) and async (max_staleness 1); slipstream vs TRL's GRPOTrainer on a fixed "
+               "512-token budget", rl_step_w1_rows,
                summary=rl_step_w1_summary))  # fmt: skip
 register(Entry("async-gpus", "sync colocated vs async disaggregated RL steps at equal GPUs (W1-sized, qwen3-1.7b): "
                "step time, samples per hour, wait ratios, staleness, weight-sync time", async_gpus_rows, min_gpus=2))  # fmt: skip
