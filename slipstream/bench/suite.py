@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -145,6 +146,10 @@ def run_row_here(row: Row) -> dict:
     return {"row": row.name, **result, "wall_s": time.perf_counter() - start}
 
 
+_ROW_MARGIN_S = 30.0
+"""Seconds a row keeps, after the commands it starts are stopped, to write its result."""
+
+
 def run_row_in_child(entry: Entry, row: Row, quick: bool, timeout_s: float) -> dict:
     """Run a row in a fresh Python process (a new CUDA context), under a timeout."""
     start = time.perf_counter()
@@ -152,13 +157,19 @@ def run_row_in_child(entry: Entry, row: Row, quick: bool, timeout_s: float) -> d
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "slipstream.bench.suite", "--child", entry.name, row.name, str(out)]
     cmd += ["--quick"] if quick else []
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+           # commands the row starts end by then, leaving the row time to write what they measured
+           "SLIPSTREAM_ROW_DEADLINE": str(time.time() + max(timeout_s - _ROW_MARGIN_S, timeout_s / 2))}  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        tail = (stdout + stderr)[-3000:]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the row's process and what it started in its group
+        stdout, stderr = proc.communicate()
         return {"row": row.name, "kind": "error", "status": "timeout", "reason": f"killed after {timeout_s:.0f} s",
-                "wall_s": time.perf_counter() - start}  # fmt: skip
+                "output_tail": (stdout + stderr)[-3000:], "wall_s": time.perf_counter() - start}  # fmt: skip
     if not out.exists():
         return {"row": row.name, "kind": "error", "status": "crash", "reason": f"exit code {proc.returncode}\n{tail}",
                 "wall_s": time.perf_counter() - start}  # fmt: skip

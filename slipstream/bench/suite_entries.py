@@ -40,29 +40,40 @@ def matrix_row(label: str, spec: dict) -> dict:
     return {"kind": "matrix", "label": label, **row}
 
 
-def command_row(cmd: list[str], out_json: bool = False, timeout_s: int | None = None) -> dict:
-    """Run a command from the repository root; `out_json`: it writes JSON to the path given as its last argument."""
+def command_row(cmd: list[str], out_json: bool = False, timeout_s: float | None = None) -> dict:
+    """Run a command from the repository root; `out_json`: it writes JSON to the path given as its last argument.
+
+    The limit is `timeout_s`, and never later than the suite row's own deadline (SLIPSTREAM_ROW_DEADLINE,
+    set by the process that runs the row), so the command is never left running after its row is given
+    up. A command past its limit is killed with its process tree and gives an error row with its output."""
     missing = [c for c in cmd if c.startswith(("bench/", "tests/", "recipes/")) and not (REPO / c).exists()]
     if missing:
         return {"kind": "command", "status": "skipped", "reason": f"needs a source checkout ({missing[0]} not found)"}
+    deadline = os.environ.get("SLIPSTREAM_ROW_DEADLINE")
+    if deadline:
+        left = float(deadline) - time.time()
+        timeout_s = left if timeout_s is None else min(timeout_s, left)
     with tempfile.TemporaryDirectory(prefix="slipstream-suite-") as tmp:
         out = Path(tmp) / "out.json"
         full = [sys.executable, *cmd, *([str(out)] if out_json else [])]
         # a session of its own: at the time limit the whole tree goes (torchrun's ranks hold GPUs)
         proc = subprocess.Popen(full, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)  # fmt: skip
+        timed_out = False
         try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
+            stdout, stderr = proc.communicate(timeout=None if timeout_s is None else max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
+            timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        proc = subprocess.CompletedProcess(full, proc.returncode, stdout, stderr)
+            stdout, stderr = proc.communicate()
         data = json.loads(out.read_text()) if out_json and out.exists() else None
-    return {
-        "kind": "command", "status": "ok" if proc.returncode == 0 else "error", "command": " ".join(cmd),
-        "returncode": proc.returncode, "output_tail": (proc.stdout + proc.stderr)[-20000:], "data": data,
+    row = {
+        "kind": "command", "status": "ok" if proc.returncode == 0 and not timed_out else "error",
+        "command": " ".join(cmd), "returncode": proc.returncode, "output_tail": (stdout + stderr)[-20000:], "data": data,
     }  # fmt: skip
+    if timed_out:
+        row["reason"] = f"timed out after {timeout_s:.0f} s"
+    return row
 
 
 def _train_spec(
@@ -305,17 +316,17 @@ def multi_gpu_summary(rows: list[dict]) -> dict:
 
 def _train_run(cmd: list[str], timeout_s: int | None = None) -> tuple[dict, list[dict]]:
     """Run a (torchrun) `slipstream train` command into a temporary run_dir: (the command's row with the run's
-    wall time `train_wall_s` and start `train_started` (epoch seconds, as metrics rows' `time`), every row of
-    its metrics.jsonl, also when the limit stopped it)."""
+    wall time `train_wall_s`, its start `train_started` (epoch seconds, as metrics rows' `time`) and the tail
+    of its stall stack dumps if any, every row of its metrics.jsonl, also when the limit stopped it)."""
     with tempfile.TemporaryDirectory(prefix="slipstream-train-") as tmp:
         started, start = time.time(), time.monotonic()
-        try:  # torchrun and its ranks are stopped at the limit (they hold GPUs the next rows need)
-            result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
-        except subprocess.TimeoutExpired:
-            result = {"kind": "command", "status": "error", "reason": f"timed out after {timeout_s} s"}
+        result = command_row([*cmd, f"trainer.run_dir={tmp}/run"], timeout_s=timeout_s)
         result["train_wall_s"], result["train_started"] = time.monotonic() - start, started
         path = Path(tmp) / "run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        stacks = Path(tmp) / "run" / "stacks.txt"  # trainer.stall_dump_s: where a stalled step waited
+        if stacks.exists():
+            result["stacks_tail"] = stacks.read_text()[-8000:]
     return result, rows
 
 
@@ -547,7 +558,7 @@ def real_model_rows(quick: bool) -> list[Row]:
 
 def real_model_summary(rows: list[dict]) -> dict:
     """Accuracy gains (points) per run and set; the sync over async step time of the same recipe."""
-    ok = {r["row"]: r for r in rows if r.get("kind") == "train_eval"}
+    ok = {r["row"]: r for r in rows if r.get("kind") == "train_eval" and r.get("status") == "ok"}
     out = {f"{name}_gain_points": r["gain_points"] for name, r in ok.items()}
     for recipe in ("arithmetic", "demo"):
         sync, fast = ok.get(f"{recipe}-sync"), ok.get(f"{recipe}-async-staleness-1")

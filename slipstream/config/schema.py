@@ -283,7 +283,7 @@ class TrainerSection:
     stop_on_nan: bool = True
     """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
     stall_dump_s: float = 600.0
-    """When a step or an eval has run this many seconds, write the Python stack of every thread to run_dir/stacks.txt (stacks-rank<r>.txt on other ranks) and warn, again every as many seconds while it lasts; the run goes on (0: off). `kill -USR1 <pid>` prints the stacks at any time."""
+    """When a step, an eval, a checkpoint or the HF export has run this many seconds, write the Python stack of every thread to run_dir/stacks.txt (stacks-rank<r>.txt on other trainer ranks) and warn, again every as many seconds while it lasts; the run goes on (0: off). `kill -USR1 <pid>` prints the stacks at any time (under torchrun: a rank's pid, not the launcher's)."""
 
 
 @dataclass

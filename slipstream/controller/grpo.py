@@ -213,7 +213,10 @@ class RLTrainer:
             if self._eval_due():  # the baseline before training (its own record, at step 0)
                 with self.stall.phase(f"the eval at step {self.step_num}"):
                     self.logger.log(self.step_num, self.evaluate())
-            while self.step_num < self.cfg.trainer.total_steps and not self._any_rank(stop_requested):
+            while self.step_num < self.cfg.trainer.total_steps:
+                with self.stall.phase(f"the stop check before step {self.step_num + 1}"):  # a collective
+                    if self._any_rank(stop_requested):
+                        break
                 with self.stall.phase(f"step {self.step_num + 1}"):
                     metrics = self.step()
                 if self._eval_due():  # after the step's weight sync: the rollout holds this policy
@@ -222,10 +225,12 @@ class RLTrainer:
                 self.logger.log(self.step_num, metrics)
                 every = self.cfg.trainer.save_every
                 if every and self.step_num % every == 0 and self.step_num < self.cfg.trainer.total_steps:
-                    self.save()
+                    with self.stall.phase(f"the checkpoint at step {self.step_num}"):
+                        self.save()
                     self._saved_step = self.step_num
             if self._saved_step != self.step_num:  # a stop right after a save_every save needs no second one
-                self.save()
+                with self.stall.phase(f"the checkpoint at step {self.step_num}"):
+                    self.save()
                 self._saved_step = self.step_num
         except KeyboardInterrupt:
             raise Interrupted(self.step_num, saved=None, resume_point=self.checkpoints.latest()) from None
@@ -242,14 +247,19 @@ class RLTrainer:
             latest = self.checkpoints.latest()
             raise Interrupted(self.step_num, saved=latest, resume_point=latest)
         if self.cfg.trainer.export_hf:
-            # every rank iterates (the fsdp engine gathers each tensor); rank 0 keeps them, on the CPU
-            weights = {}
-            for name, tensor in self.engine.export_weights():
-                if self.rank == 0:
-                    weights[hf.from_hf_name(name)] = tensor.cpu()
+            with self.stall.phase("the HF export"):
+                self._export_hf()
+
+    def _export_hf(self) -> None:
+        """The policy as an HF checkpoint in run_dir/hf. Every rank iterates the export (the fsdp engine
+        gathers each tensor); rank 0 keeps the tensors, on the CPU, and writes them."""
+        weights = {}
+        for name, tensor in self.engine.export_weights():
             if self.rank == 0:
-                out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
-                log.info("exported the policy as an HF checkpoint to %s", out)
+                weights[hf.from_hf_name(name)] = tensor.cpu()
+        if self.rank == 0:
+            out = hf.save_pretrained(weights, self.model_cfg, self.run_dir / "hf", tokenizer=self.tokenizer)
+            log.info("exported the policy as an HF checkpoint to %s", out)
 
     def _agreed_latest_checkpoint(self) -> Path | None:
         """The newest checkpoint, as rank 0 sees it, on every rank; every rank must find its own trainer file."""

@@ -57,10 +57,16 @@ def select_backend(q: torch.Tensor) -> str:
     and inside a compiled region (actor.compile), where the SDPA path's host-side sequence bounds
     would break the graph at every layer and recompile for every batch.
     """
-    if q.is_cuda:
-        if q.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None:
+    return kernel_for(q.device, q.dtype, compiled=torch.compiler.is_compiling())
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, compiled: bool) -> str:
+    """The backend `select_backend` picks on `device` for `dtype`, in a compiled region or not (also what
+    benchmark rows report as the training attention kernel)."""
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None:
             return "varlen"
-        if torch.compiler.is_compiling() and _flex_fns() is not None:
+        if compiled and _flex_fns() is not None:
             return "flex"
     return "sdpa"
 
@@ -103,19 +109,25 @@ def sdpa_varlen_attention(
     call per sequence is launch-bound where sequences are short (the CPU demo packs 128 sequences
     of 4 tokens; an RL batch of short answers, a few thousand calls per pass); one call over the
     whole batch would attend T x T. A group bounds both: its mask holds at most the limit squared.
+    On CUDA, grouped-query k / v are repeated to the query heads: the memory-efficient kernel takes
+    float32 and masks but not GQA, and SDPA's fallback (math) would keep H x L x L scores for the
+    backward.
     """
     bounds = cu_seqlens.tolist()  # one host sync
     groups = _sequence_groups(bounds, MASKED_SDPA_MAX_TOKENS)
+    starts = cu_seqlens.to(q.device, torch.int64)
+    if q.is_cuda and k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     if len(groups) == 1 and groups[0][0][0] == 0 and groups[0][-1][1] == q.shape[0]:
-        return _attend_group(q, k, v, groups[0], scale)
+        return _attend_group(q, k, v, groups[0], starts, scale)
     out = torch.zeros_like(q)  # rows of empty-sequence padding, if any, stay 0
     for group in groups:
         start, end = group[0][0], group[-1][1]
-        out[start:end] = _attend_group(q[start:end], k[start:end], v[start:end], group, scale)
+        out[start:end] = _attend_group(q[start:end], k[start:end], v[start:end], group, starts, scale)
     return out
 
 
-MASKED_SDPA_MAX_TOKENS = 2048
+MASKED_SDPA_MAX_TOKENS = 1024
 """Most tokens of consecutive sequences that `sdpa_varlen_attention` attends in one masked SDPA call."""
 
 
@@ -133,16 +145,17 @@ def _sequence_groups(bounds: list[int], limit: int) -> list[list[tuple[int, int]
     return groups
 
 
-def _attend_group(q, k, v, spans: list[tuple[int, int]], scale) -> torch.Tensor:
-    """Causal attention within each of `spans` (back to back, the first at row 0 of q / k / v)."""
+def _attend_group(q, k, v, spans: list[tuple[int, int]], starts: torch.Tensor, scale) -> torch.Tensor:
+    """Causal attention within each of `spans` (back to back; q / k / v hold rows spans[0][0] to spans[-1][1]
+    of the packed batch); `starts`: the batch's cu_seqlens (int64, on q's device)."""
     qs, ks, vs = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants (..., H, L, D)
     gqa = ks.shape[0] != qs.shape[0]  # kv heads shared without a repeat copy
     if len(spans) == 1:
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         return out.transpose(0, 1)
-    lengths = torch.tensor([end - start for start, end in spans])
-    doc = torch.repeat_interleave(torch.arange(len(spans)), lengths).to(q.device)
-    pos = torch.arange(doc.numel(), device=q.device)
+    # the mask from positions on the device: no host-side list to copy over (a sync per group and layer)
+    pos = torch.arange(spans[0][0], spans[-1][1], device=q.device)
+    doc = torch.searchsorted(starts, pos, right=True)
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
     out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -143,3 +144,14 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
         assert row["gain_points"][name] == 100 * (row["after"][name] - row["before"][name])  # the same arithmetic
     assert rows["demo-async-staleness-1"]["staleness_mean"] is not None and rows["demo-sync"]["staleness_mean"] is None
     assert record["summary"]["demo_sync_over_async_step_time"] > 0
+
+
+def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
+    from slipstream.bench.suite_entries import command_row
+
+    monkeypatch.setenv("SLIPSTREAM_ROW_DEADLINE", str(time.time() + 2))
+    start = time.monotonic()
+    row = command_row(["-c", "import time; print('measured so far', flush=True); time.sleep(60)"], timeout_s=600)
+    assert time.monotonic() - start < 20  # the row's deadline, not the command's own 600 s
+    assert row["status"] == "error" and row["reason"].startswith("timed out after")
+    assert "measured so far" in row["output_tail"]
