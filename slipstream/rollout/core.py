@@ -102,6 +102,7 @@ class EngineCore:
         self.sampling = SamplingParams()
         self.mode = sampling_mode(self.sampling)
         self._stop: frozenset[int] = frozenset()
+        self._stop_ids = torch.zeros(0, dtype=torch.int64)
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -109,6 +110,7 @@ class EngineCore:
         """Sampling parameters and policy version for the next steps (n and max_new_tokens are per request)."""
         self.sampling, self.mode, self.version = sampling, sampling_mode(sampling), version
         self._stop = frozenset(sampling.stop_token_ids)
+        self._stop_ids = torch.tensor(sorted(self._stop), dtype=torch.int64)
         self.state.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.state.top_p.fill_(sampling.top_p)
 
@@ -194,10 +196,10 @@ class EngineCore:
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
         first = torch.zeros(len(seqs), dtype=torch.int64, device=dev)
         tokens, logprobs = self.runner.sample(self.runner.logits(rows), self.state, seeds, first, self.mode)
-        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu().tolist()
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()  # one sync; both exact
         self.running.extend(seqs)
         self._reload = True
-        return self._append(seqs, [[int(t)] for t in both[0]], [[lp] for lp in both[1]])
+        return self._append(seqs, both[0].to(torch.int64)[:, None], both[1].to(torch.float32)[:, None])
 
     def _prefill_prompts(self, items: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
         """Write the KV of each (slot, prompt) into the cache; returns the last position's hidden (P, H).
@@ -264,24 +266,34 @@ class EngineCore:
         self.stats.decode_steps += steps
         self.stats.decode_row_steps += steps * len(rows)
         tokens, logprobs = self.state.read(len(rows), steps)
-        columns = lambda table: [[table[k][r] for k in range(steps)] for r in range(len(rows))]  # noqa: E731
-        return self._append(rows, columns(tokens), columns(logprobs))
+        return self._append(rows, tokens, logprobs)
 
-    def _append(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]]) -> list[Sequence]:
-        """Append each sequence's new tokens up to a stop token or its budget; release finished slots."""
+    def _append(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Sequence]:
+        """Append each sequence's new tokens (row i of the CPU tensors (len(seqs), k): int64 tokens, fp32
+        log-probs) up to and including a stop token, or up to its budget; release finished slots.
+
+        The host works on this while the device waits, once per ring of k decode steps: the stop search
+        is one vectorised pass and each sequence takes its tokens as one slice."""
+        k = tokens.shape[1]
+        if self._stop:
+            hits = torch.isin(tokens, self._stop_ids)
+            first_stop = torch.where(hits.any(1), hits.to(torch.int8).argmax(1), k).tolist()
+        else:
+            first_stop = [k] * len(seqs)
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         finished = []
-        for seq, toks, lps in zip(seqs, tokens, logprobs):
-            for tok, lp in zip(toks, lps):
-                seq.tokens.append(tok)
-                seq.logprobs.append(lp)
-                seq.versions.append(self.version)
-                if tok in self._stop:
-                    seq.finish_reason = "stop"
-                elif len(seq.tokens) >= seq.budget:
-                    seq.finish_reason = "length"
-                if seq.finish_reason:
-                    finished.append(seq)
-                    break
+        for seq, toks, lps, stop_at in zip(seqs, token_rows, logprob_rows, first_stop):
+            room = seq.budget - len(seq.tokens)
+            n = min(k, room, stop_at + 1)
+            seq.tokens.extend(toks[:n])
+            seq.logprobs.extend(lps[:n])
+            seq.versions.extend([self.version] * n)
+            if stop_at < n:  # the stop token is within the budget (it wins over the budget at the same token)
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= seq.budget:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                finished.append(seq)
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]

@@ -267,12 +267,13 @@ class DecodeState:
         for name, value in saved.items():
             getattr(self, name).copy_(value)
 
-    def read(self, rows: int, steps: int) -> tuple[list[list[int]], list[list[float]]]:
-        """The ring's first `steps` outputs of the first `rows` rows, as host lists [step][row].
+    def read(self, rows: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's first `steps` outputs of the first `rows` rows, as CPU tensors (rows, steps): tokens
+        int64, log-probs fp32.
 
         Tokens and the bits of the fp32 log-probs travel in one int32 tensor: one device sync.
         """
         both = torch.stack(
             [self.out_tokens[:steps, :rows].to(torch.int32), self.out_logprobs[:steps, :rows].view(torch.int32)]
         ).cpu()
-        return both[0].tolist(), both[1].view(torch.float32).tolist()
+        return both[0].t().to(torch.int64), both[1].view(torch.float32).t()

@@ -344,3 +344,43 @@ def test_decode_graphs_only_where_decode_attention_has_no_host_sync(monkeypatch)
     monkeypatch.setattr(decode_attention, "available", lambda: False)  # no triton: flash decodes bf16, fp32 loops
     assert attention.decode_capturable(cuda, torch.bfloat16, "triton")
     assert not attention.decode_capturable(cuda, torch.float32, "triton")
+
+
+def test_append_takes_tokens_up_to_a_stop_or_the_budget_as_the_per_token_rule_does():
+    # The host's per-ring step, vectorised, against the rule written token by token: a stop token is
+    # kept and ends the sample ("stop", also when it is the budget's last token), else the budget ends it.
+    import random
+
+    from slipstream.rollout.core import EngineCore, Request, Sequence
+
+    rng = random.Random(0)
+    cfg = get_preset("tiny")
+    for trial in range(200):
+        n, k = rng.randint(1, 6), rng.randint(1, 5)
+        stops = rng.sample(range(8), rng.randint(0, 2))
+        core = EngineCore.__new__(EngineCore)  # the bookkeeping only: no model, a one-slot-per-sample cache
+        core.cache, core.version = SlotCache(cfg, n, 4, torch.device("cpu"), torch.float32), 7
+        core._stop, core._stop_ids = frozenset(stops), torch.tensor(sorted(stops), dtype=torch.int64)
+        seqs = []
+        for i in range(n):
+            done = rng.randint(0, 3)
+            seq = Sequence(Request((1,), (done + rng.randint(1, 6),), key=i), 0, seed=0, slot=core.cache.allocate(1)[0])
+            seq.tokens, seq.logprobs, seq.versions = [9] * done, [0.5] * done, [6] * done
+            seqs.append(seq)
+        core.running = list(seqs)
+        tokens, logprobs = torch.randint(0, 8, (n, k)), torch.rand(n, k)
+        expected = []
+        for seq, toks, lps in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            got, reason = [], None
+            for tok, lp in zip(toks, lps):
+                got.append((tok, lp))
+                reason = "stop" if tok in stops else ("length" if len(seq.tokens) + len(got) >= seq.budget else None)
+                if reason:
+                    break
+            expected.append((seq.tokens + [t for t, _ in got], seq.logprobs + [lp for _, lp in got],
+                             seq.versions + [7] * len(got), reason))  # fmt: skip
+        finished = core._append(seqs, tokens, logprobs)
+        for seq, want in zip(seqs, expected):
+            assert (seq.tokens, seq.logprobs, seq.versions, seq.finish_reason) == want, trial
+        assert finished == [s for s in seqs if s.finish_reason]
+        assert core.running == [s for s in seqs if not s.finish_reason]
