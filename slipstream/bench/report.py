@@ -299,13 +299,33 @@ def suite_markdown(record: dict) -> str:
     return "\n".join(lines + _unmeasured_and_fairness(matrix)) + "\n"
 
 
+def _eval_curve_text(r: dict) -> str:
+    """step (seconds since the run started): accuracy per set, for each eval of a train_eval row."""
+    return "; ".join(f"step {p['step']} ({p['elapsed_s']:.0f} s): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in p.items() if k not in ("step", "elapsed_s"))
+                     for p in r["eval_curve"])  # fmt: skip
+
+
 def _other_row_text(r: dict) -> str:
     """One line for a row that is not a matrix cell (an op, a curve, a command, a whole run)."""
     if r["status"] != "ok":
         reason = (str(r.get("reason") or "").strip().splitlines() or [""])[0]
         tail = (str(r.get("output_tail") or "").strip().splitlines() or [""])[-1]
-        return f"**{r['status']}**: {reason or tail}"
+        curve = f"; evals logged before it ended: {_eval_curve_text(r)}" if r.get("eval_curve") else ""
+        return f"**{r['status']}**: {reason or tail}{curve}"
     kind = r.get("kind")
+    if kind == "train_eval":
+        gains = ", ".join(f"{name} {r['before'][name]:.3f} -> {r['after'][name]:.3f} ({g:+.1f} points, "
+                          f"{_fmt(r['eval_problems'].get(name), '.0f')} problems"
+                          f"{'' if r.get('held_out', {}).get(name, True) else ', not held out'})"
+                          for name, g in r["gain_points"].items())  # fmt: skip
+        train = ""
+        if r.get("step_time_median_s"):
+            train = (f"; step time median {r['step_time_median_s']:.3f} s, {r['samples_per_hour']:,.0f} samples/h, "
+                     f"trainer wait {_fmt(r['trainer_wait_ratio'], '.1%')}, staleness mean "
+                     f"{_fmt(r['staleness_mean'], '.2f')}")  # fmt: skip
+        return (f"{r['wall_s']:.0f} s in all, {r['steps']} steps{train}. Greedy eval accuracy, before -> after: "
+                f"{gains}. Curve: {_eval_curve_text(r)}")  # fmt: skip
     if kind == "logprob_op":
         return (f"fused log-prob{' + entropy' if r['with_entropy'] else ''} at {r['num_tokens']:,} tokens x "
                 f"{r['vocab_size']:,} vocab (hidden {r['hidden_size']}, {r['dtype']}): extra peak "

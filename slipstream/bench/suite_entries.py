@@ -504,6 +504,7 @@ def _eval_curve_result(cmd: list[str], samples_per_step: int, timeout_s: int) ->
     out = {
         **result, "kind": "train_eval", "wall_s": result["train_wall_s"], "steps": len(steps), "eval_curve": curve,
         "eval_problems": {name: evals[0].get(f"eval/{name}/num_problems") for name in sets},
+        "held_out": {name: bool(evals[0].get(f"eval/{name}/held_out", 1.0)) for name in sets},
         "before": {name: first[name] for name in sets if name in first},
         "after": {name: last[name] for name in sets if name in last},
         "gain_points": {name: 100 * (last[name] - first[name]) for name in sets if name in first and name in last},

@@ -144,6 +144,9 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
         assert row["gain_points"][name] == 100 * (row["after"][name] - row["before"][name])  # the same arithmetic
     assert rows["demo-async-staleness-1"]["staleness_mean"] is not None and rows["demo-sync"]["staleness_mean"] is None
     assert record["summary"]["demo_sync_over_async_step_time"] > 0
+    assert all(row["held_out"] == {"sum": False} for row in rows.values())  # the demo's eval is its whole space
+    text = (tmp_path / "real-model.md").read_text()
+    assert "problems, not held out)" in text and "Curve: step 0 (" in text
 
 
 def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
