@@ -55,7 +55,7 @@ def held_constant(spec: MatrixSpec) -> dict:
 _KERNEL_NAMES = {
     "varlen": "varlen (FlashAttention, torch varlen_attn)",
     "flex": "flex_attention (document-causal mask)",
-    "sdpa": "sdpa (one masked call per group of consecutive sequences, up to 1024 tokens)",
+    "sdpa": "sdpa (one masked call per group of consecutive sequences)",
 }
 
 

@@ -431,6 +431,15 @@ def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s
     steps = _training_rows(rows)[warmup:]
     if result["status"] != "ok" or not steps:
         return {**result, "status": "error" if result["status"] == "ok" else result["status"]}
+    return {
+        **result, "kind": "rl_run", "steps_timed": len(steps), **_step_figures(steps, samples_per_step),
+        "output_tail": result["output_tail"][-2000:],
+    }  # fmt: skip
+
+
+def _step_figures(steps: list[dict], samples_per_step: int) -> dict:
+    """Medians over training rows of a run: step time, samples per hour, both wait ratios, staleness (and its
+    max), weight-sync time; a figure the rows do not log is None."""
 
     def median(key: str) -> float | None:
         values = [r[key] for r in steps if key in r]
@@ -438,11 +447,11 @@ def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s
 
     step_s = median("perf/step_time")
     return {
-        **result, "kind": "rl_run", "steps_timed": len(steps), "step_time_median_s": step_s,
-        "samples_per_hour": samples_per_step * 3600 / step_s, "rollout_wait_ratio": median("perf/rollout_wait_ratio"),
-        "trainer_wait_ratio": median("perf/wait_time_ratio"), "staleness_mean": median("async/staleness_mean"),
+        "step_time_median_s": step_s, "samples_per_hour": samples_per_step * 3600 / step_s,
+        "rollout_wait_ratio": median("perf/rollout_wait_ratio"), "trainer_wait_ratio": median("perf/wait_time_ratio"),
+        "staleness_mean": median("async/staleness_mean"),
         "staleness_max": max((r.get("async/staleness_max", 0) for r in steps), default=0),
-        "weight_sync_s": median("perf/update_weights_time"), "output_tail": result["output_tail"][-2000:],
+        "weight_sync_s": median("perf/update_weights_time"),
     }  # fmt: skip
 
 
@@ -490,7 +499,7 @@ def rl_step_w1_summary(rows: list[dict]) -> dict:
 def _eval_curve_result(cmd: list[str], samples_per_step: int, timeout_s: int) -> dict:
     """A `slipstream train` run with held-out evals: its wall time, the eval curve (step, seconds since the
     command started, greedy accuracy per set), each set's accuracy before -> after in points, and its
-    training rows' step time, samples per hour, trainer wait ratio and staleness. A run stopped by the
+    training rows' figures (`_step_figures`) and reward trend. A run stopped by the
     limit keeps the evals it logged (status error, with the reason)."""
     result, rows = _train_run(cmd, timeout_s)
     sets = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
@@ -511,17 +520,9 @@ def _eval_curve_result(cmd: list[str], samples_per_step: int, timeout_s: int) ->
         "output_tail": result.get("output_tail", "")[-2000:],
     }  # fmt: skip
     if steps:
-        def median(key: str) -> float | None:
-            values = [r[key] for r in steps if key in r]
-            return statistics.median(values) if values else None
-
-        step_s = median("perf/step_time")
-        out.update({
-            "step_time_median_s": step_s, "samples_per_hour": samples_per_step * 3600 / step_s,
-            "trainer_wait_ratio": median("perf/wait_time_ratio"), "staleness_mean": median("async/staleness_mean"),
-            "reward_first10": statistics.mean(r["reward/mean"] for r in steps[:10]),
-            "reward_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
-        })  # fmt: skip
+        out.update(_step_figures(steps, samples_per_step),
+                   reward_first10=statistics.mean(r["reward/mean"] for r in steps[:10]),
+                   reward_last10=statistics.mean(r["reward/mean"] for r in steps[-10:]))  # fmt: skip
     return out
 
 

@@ -7,8 +7,8 @@ attend to earlier tokens of its own sequence.
 Backends, chosen per call by `select_backend` (flex only when named):
   "varlen" torch.nn.attention.varlen.varlen_attn (FlashAttention, CUDA, fp16/bf16, torch>=2.10)
   "flex"   flex_attention with a document-causal block mask (CUDA, any float dtype; compiled)
-  "sdpa"   F.scaled_dot_product_attention per sequence, or one call with a document mask for a
-           small packed batch: the reference path, and float32's
+  "sdpa"   F.scaled_dot_product_attention, one call with a document-causal mask per group of
+           consecutive sequences (`sdpa_varlen_attention`): the reference path, and float32's
 """
 
 from __future__ import annotations

@@ -101,7 +101,6 @@ class EngineCore:
         self.version = 0
         self.sampling = SamplingParams()
         self.mode = sampling_mode(self.sampling)
-        self._stop: frozenset[int] = frozenset()
         self._stop_ids = torch.zeros(0, dtype=torch.int64)
         self.stats = EngineStats()
 
@@ -109,8 +108,7 @@ class EngineCore:
     def configure(self, sampling: SamplingParams, version: int) -> None:
         """Sampling parameters and policy version for the next steps (n and max_new_tokens are per request)."""
         self.sampling, self.mode, self.version = sampling, sampling_mode(sampling), version
-        self._stop = frozenset(sampling.stop_token_ids)
-        self._stop_ids = torch.tensor(sorted(self._stop), dtype=torch.int64)
+        self._stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.int64)
         self.state.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.state.top_p.fill_(sampling.top_p)
 
@@ -275,11 +273,8 @@ class EngineCore:
         The host works on this while the device waits, once per ring of k decode steps: the stop search
         is one vectorised pass and each sequence takes its tokens as one slice."""
         k = tokens.shape[1]
-        if self._stop:
-            hits = torch.isin(tokens, self._stop_ids)
-            first_stop = torch.where(hits.any(1), hits.to(torch.int8).argmax(1), k).tolist()
-        else:
-            first_stop = [k] * len(seqs)
+        hits = torch.isin(tokens, self._stop_ids)  # all False without stop tokens
+        first_stop = torch.where(hits.any(1), hits.to(torch.int8).argmax(1), k).tolist()
         token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         finished = []
         for seq, toks, lps, stop_at in zip(seqs, token_rows, logprob_rows, first_stop):

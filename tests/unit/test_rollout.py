@@ -360,7 +360,7 @@ def test_append_takes_tokens_up_to_a_stop_or_the_budget_as_the_per_token_rule_do
         stops = rng.sample(range(8), rng.randint(0, 2))
         core = EngineCore.__new__(EngineCore)  # the bookkeeping only: no model, a one-slot-per-sample cache
         core.cache, core.version = SlotCache(cfg, n, 4, torch.device("cpu"), torch.float32), 7
-        core._stop, core._stop_ids = frozenset(stops), torch.tensor(sorted(stops), dtype=torch.int64)
+        core._stop_ids = torch.tensor(sorted(stops), dtype=torch.int64)
         seqs = []
         for i in range(n):
             done = rng.randint(0, 3)
