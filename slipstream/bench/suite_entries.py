@@ -439,7 +439,7 @@ def _rl_run_result(cmd: list[str], warmup: int, samples_per_step: int, timeout_s
 
 def _step_figures(steps: list[dict], samples_per_step: int) -> dict:
     """Medians over training rows of a run: step time, samples per hour, both wait ratios, staleness (and its
-    max), weight-sync time; a figure the rows do not log is None."""
+    max), weight-sync time, the rollout-vs-trainer log-prob mismatch; a figure the rows do not log is None."""
 
     def median(key: str) -> float | None:
         values = [r[key] for r in steps if key in r]
@@ -452,6 +452,7 @@ def _step_figures(steps: list[dict], samples_per_step: int) -> dict:
         "staleness_mean": median("async/staleness_mean"),
         "staleness_max": max((r.get("async/staleness_max", 0) for r in steps), default=0),
         "weight_sync_s": median("perf/update_weights_time"),
+        "logprob_abs_diff_mean": median("rollout/logprob_abs_diff_mean"),
     }  # fmt: skip
 
 

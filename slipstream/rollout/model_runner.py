@@ -196,7 +196,9 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: in async mode the trainer thread keeps working (host syncs, allocations) while the
+        # producer thread captures; the default ("global") mode makes those calls fail the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.decode_step(cache, state, batch, mode)
         state.restore(saved)
         self.graphs[(batch, mode)] = graph
