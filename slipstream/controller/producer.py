@@ -65,6 +65,7 @@ class RolloutProducer:
         self.error: BaseException | None = None
         self._stop = False
         self._pause = False
+        self._parked = False  # the producer thread waits with nothing in flight (it submits nothing meanwhile)
         self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
@@ -98,16 +99,20 @@ class RolloutProducer:
 
     @contextlib.contextmanager
     def paused(self):
-        """Hold the engine idle (in-flight work finished, no batch started) for another user: an eval."""
+        """Hold the engine idle (in-flight work finished, no batch started) for another user: an eval.
+
+        Waits until the producer thread has parked: an engine without work is not enough, since the
+        thread may be about to submit a batch it decided to start before the pause (an eval's greedy
+        requests would then meet its sampled ones in flight)."""
         with self.cond:
             self._pause = True
-        while True:
-            with self.cond:
+            self.cond.notify_all()
+            while not self._parked and self._thread.is_alive():
                 if self.error is not None:
                     raise RuntimeError("the rollout producer failed") from self.error
-                if not self.stages.rollout.has_work:
-                    break
                 self.cond.wait(timeout=0.05)
+            if self.error is not None:
+                raise RuntimeError("the rollout producer failed") from self.error
         try:
             with self.engine_lock:
                 yield
@@ -145,10 +150,13 @@ class RolloutProducer:
                         finished = self.stages.rollout.step()
                     self._collect(finished)
                     continue
-                with self.cond:  # throttled: wait for the next weight sync (or stop)
+                with self.cond:  # throttled (wait for the next weight sync or stop) or paused
                     started = time.perf_counter()
+                    self._parked = True
+                    self.cond.notify_all()
                     while not self._stop and (self._pause or self.next_batch > self.trainer_version + self.max_staleness):
                         self.cond.wait()
+                    self._parked = False
                     self.idle_s += time.perf_counter() - started
         except BaseException as err:  # surfaced to the trainer thread by take()
             log.exception("rollout producer failed")
