@@ -61,19 +61,30 @@ def resolve_device(device: torch.device | str | None, backend: str = "local") ->
     return device
 
 
+def git_commit() -> str | None:
+    """HEAD of the checkout this package runs from, with "+modified" where its slipstream/ sources differ
+    from HEAD (a copy whose git metadata is stale, as on the GPU machine, says so instead of naming a
+    commit that did not run; SLIPSTREAM_GIT_COMMIT names the right one there). None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=here)
+
+    try:
+        head = git("rev-parse", "HEAD").stdout.strip()
+        if not head:
+            return None
+        modified = git("diff", "--quiet", "HEAD", "--", os.path.dirname(here)).returncode == 1
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+modified" if modified else "")
+
+
 def env_info() -> dict:
     """Where and how a result was produced: device, library versions, git commit, command line."""
     import transformers  # imported here: only result writers need its version
 
-    # a copy whose git metadata is missing or stale (the GPU machine's) is told its commit
-    commit = os.environ.get("SLIPSTREAM_GIT_COMMIT")
-    try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip() or None  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = os.environ.get("SLIPSTREAM_GIT_COMMIT") or git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "gpu": gpu,

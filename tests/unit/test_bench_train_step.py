@@ -213,3 +213,19 @@ def test_cli_parser():
     assert args.memory_curve == [16384, 32768] and str(args.out) == "r.json"
     with pytest.raises(SystemExit):
         parser.parse_args("bench train-step --memory-curve 16k".split())
+
+
+@pytest.mark.parametrize("diff_rc, expected", [(0, "abc123"), (1, "abc123+modified")])
+def test_git_commit_says_when_the_sources_differ_from_head(monkeypatch, diff_rc, expected):
+    import subprocess
+
+    from slipstream.bench import train_step
+
+    def fake_run(cmd, **kwargs):
+        rc, out = (diff_rc, "") if cmd[1] == "diff" else (0, "abc123\n")
+        return subprocess.CompletedProcess(cmd, rc, stdout=out, stderr="")
+
+    monkeypatch.setattr(train_step.subprocess, "run", fake_run)
+    assert train_step.git_commit() == expected
+    monkeypatch.setenv("SLIPSTREAM_GIT_COMMIT", "named")
+    assert train_step.env_info()["git_commit"] == "named"
