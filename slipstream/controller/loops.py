@@ -54,12 +54,13 @@ class SyncLoop(_StepwiseLoop):
             first, records = st.my_share(self.prompts.next_batch())
             with timer.phase("rollout"), rollout_oom_advice(st.cfg):
                 samples = st.generate(records, first)
-                st.release_rollout()
             with timer.phase("reward"):
                 samples = st.score(samples)
             dynamic = {}
-            if st.cfg.algo.dynamic_sampling:
+            if st.cfg.algo.dynamic_sampling:  # may generate again: the engine sleeps after it
                 samples, dynamic = self._keep_groups_with_signal(samples, len(records), timer)
+            with timer.phase("rollout"):
+                st.release_rollout()
             if st.world > 1:
                 with timer.phase("gather_samples"):
                     samples = st.gather(samples)

@@ -65,9 +65,10 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Release accelerator memory (weights, cache) while the trainer runs."""
+        """Release accelerator memory (weights, cache) while the trainer runs; the next `update_weights`
+        brings the weights back (it wakes the engine)."""
         ...
 
     def wake(self) -> None:
-        """Undo sleep()."""
+        """Make room for the weights again (`update_weights` calls it after a sleep)."""
         ...

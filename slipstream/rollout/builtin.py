@@ -2,7 +2,8 @@
 
     generate(prompts, sampling, keys, budgets)   continuous batching over the engine core (core.py)
     update_weights(named_tensors, version)       in-place copies: the CUDA graphs stay valid
-    sleep() / wake()                             free / restore the KV cache and the weights
+    sleep()                                      free the KV cache and the weights (the next
+                                                 update_weights brings weights back)
 
 On the CPU it runs eagerly in fp32 (tests, the demo); on CUDA it decodes from CUDA graphs with
 compiled layer halves (rollout.compile, rollout.cuda_graphs). Compilation and graph capture
@@ -24,7 +25,7 @@ from slipstream.models.transformer import Transformer
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.core import EngineCore, Request
 from slipstream.rollout.kv_cache import SLOT_ROUNDING, SlotCache, plan_slots
-from slipstream.rollout.model_runner import ModelRunner
+from slipstream.rollout.model_runner import ModelRunner, allocate_parameters, drop_parameters
 
 
 class BuiltinRollout:
@@ -74,6 +75,7 @@ class BuiltinRollout:
         self.core: EngineCore | None = None
         self._next_key = 0  # keys of calls that pass none: consecutive, saved in state_dict
         self._asleep = False
+        self._dropped: dict[str, torch.Size] | None = None  # parameter shapes while sleep has freed them
         self.startup_s = 0.0  # compile + graph capture time, measured around first uses
 
     # ------------------------------------------------------------------ weights
@@ -91,6 +93,7 @@ class BuiltinRollout:
         missing = sorted(set(self.model.state_dict()) - updated)
         if missing:
             raise ValueError(f"update_weights left {len(missing)} weights unset, e.g. {missing[:4]}")
+        self._dropped = None
         self.version = int(version)
         if self.core is not None:
             self.core.version = self.version
@@ -106,22 +109,28 @@ class BuiltinRollout:
         self._next_key = int(state.get("next_key", 0))
 
     def sleep(self) -> None:
-        """Free the KV cache and move the weights to the CPU, so the accelerator memory is free for training.
+        """Free the KV cache and the weights, so the accelerator memory is free for training.
 
-        The captured graphs point at the freed memory and are dropped; the next generation after
-        `wake()` recaptures them (the compiled code is kept)."""
-        if self.device.type == "cpu" or self._asleep:
+        The weights are dropped, not moved to the CPU: a colocated engine sleeps only until the
+        trainer's next `update_weights`, which overwrites every one of them, so keeping them would
+        cost a device -> host and a host -> device copy of the whole model for nothing. The captured
+        graphs point at the freed memory and are dropped; the next generation after the update
+        recaptures them (the compiled code is kept)."""
+        if self._asleep:
             return
         self.core = self.cache = None
         self.runner.drop_graphs()
-        self.model.to("cpu")
+        self.runner.fused = []  # the fused q/k/v and gate/up storages
+        self._dropped = drop_parameters(self.model)
         self._asleep = True
-        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        """Undo sleep(): weights back on the device; the cache is allocated again at the next generation."""
+        """Storage for the weights again, uninitialised: only `update_weights` calls it, and fills every
+        weight before the engine generates (generating in between raises)."""
         if self._asleep:
-            self.model.to(self.device)
+            allocate_parameters(self.model, self._dropped)
             self.runner.refuse()
             self._asleep = False
 
@@ -215,8 +224,8 @@ class BuiltinRollout:
 
     def _core_for(self, longest: int, num_samples: int) -> EngineCore:
         """The engine core, with a cache whose slots hold `longest` tokens (allocated again only when too short)."""
-        if self._asleep:
-            raise RuntimeError("the rollout engine is asleep: call wake() (or update_weights) before generating")
+        if self._asleep or self._dropped is not None:
+            raise RuntimeError("the rollout engine is asleep (sleep() freed its weights): update_weights before generating")
         slot_len = min(-(-longest // SLOT_ROUNDING) * SLOT_ROUNDING, self.cfg.max_position_embeddings)
         wanted = self.max_batch_size if self.device.type == "cuda" else min(self.max_batch_size, num_samples)
         cache = self.cache

@@ -65,6 +65,22 @@ def fuse_projections(model: Transformer) -> list[tuple[torch.Tensor, torch.Tenso
     return fused
 
 
+def drop_parameters(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Free the storage of every parameter (each becomes an empty tensor on its device); returns their
+    shapes for `allocate_parameters`. Buffers (rotary tables) stay."""
+    shapes = {}
+    for name, p in model.named_parameters():
+        shapes[name] = p.shape
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return shapes
+
+
+def allocate_parameters(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> None:
+    """Give every parameter dropped by `drop_parameters` new storage of its shape, uninitialised."""
+    for name, p in model.named_parameters():
+        p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+
+
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
     whole = torch.cat([p.data for p in params])
     offset = 0

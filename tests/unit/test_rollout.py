@@ -187,6 +187,31 @@ def test_update_weights_copies_in_place_and_validates():
     assert after.version == 10 and after.response_ids != before.response_ids
 
 
+def test_sleep_frees_the_weights_and_the_next_update_brings_them_back():
+    engine, awake = _engine(), _engine()
+    sampling = SamplingParams(temperature=1.0, n=3, max_new_tokens=6)
+    engine.generate(PROMPTS, sampling, keys=list(range(len(PROMPTS))))
+    engine.sleep()
+    assert all(p.numel() == 0 for p in engine.model.parameters())  # nothing kept, on the device or off it
+    assert engine.cache is None and engine.runner.fused == []
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, sampling)
+    partial = [(n, t) for n, t in iter_hf_weights(_weights()) if "layers.1." not in n]
+    with pytest.raises(ValueError, match="unset"):
+        engine.update_weights(partial, version=4)
+    with pytest.raises(RuntimeError, match="asleep"):  # woken, but some weights were never written
+        engine.generate(PROMPTS, sampling)
+    engine.update_weights(iter_hf_weights(_weights()), version=4)
+    awake.update_weights(iter_hf_weights(_weights()), version=4)
+    keys = list(range(10, 10 + len(PROMPTS)))
+    slept, kept = engine.generate(PROMPTS, sampling, keys=keys), awake.generate(PROMPTS, sampling, keys=keys)
+    assert _ids(slept) == _ids(kept)
+    assert [s.behav_logprobs for g in slept for s in g] == [s.behav_logprobs for g in kept for s in g]
+    # the q/k/v weights are views into one fused storage again, so in-place updates reach the decode matmul
+    fused_qkv = engine.runner.fused[0][0]
+    assert engine.model.layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr() == fused_qkv.untyped_storage().data_ptr()
+
+
 def test_weights_changed_between_steps_tag_tokens_with_versions():
     engine = _engine(max_batch_size=4, decode_steps_per_sync=2)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
