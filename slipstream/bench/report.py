@@ -299,6 +299,30 @@ def suite_markdown(record: dict) -> str:
     return "\n".join(lines + _unmeasured_and_fairness(matrix)) + "\n"
 
 
+def eval_curve_plot(rows: Sequence[dict]) -> Figure | None:
+    """Held-out greedy accuracy against the run's wall time, one line per row and eval set (train_eval rows,
+    including partial curves of runs that ended early); None where no row has a curve."""
+    curves = [r for r in rows if r.get("eval_curve")]
+    if not curves:
+        return None
+    fig = Figure(figsize=(7.5, 4.2))
+    ax = fig.add_subplot()
+    for r in curves:
+        sets = [k for k in r["eval_curve"][0] if k not in ("step", "elapsed_s")]
+        for name in sets:
+            points = [(p["elapsed_s"], p[name]) for p in r["eval_curve"] if name in p]
+            style = "-o" if r["status"] == "ok" else "--x"
+            ax.plot(*zip(*points), style, markersize=3, label=f"{r['row']}: {name}" + ("" if r["status"] == "ok" else
+                                                                                         f" ({r['status']})"))
+    ax.set_xlabel("seconds since the run started (evals included)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def _eval_curve_text(r: dict) -> str:
     """step (seconds since the run started): accuracy per set, for each eval of a train_eval row."""
     return "; ".join(f"step {p['step']} ({p['elapsed_s']:.0f} s): "

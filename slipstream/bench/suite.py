@@ -119,8 +119,9 @@ def _kept_rows(path: Path, meta: dict) -> list[dict]:
 
 
 def write_results(path: Path, meta: dict, rows: list[dict], entry: Entry) -> None:
-    """Write OUT/<entry>.json (atomically: a crash keeps the previous version) and OUT/<entry>.md."""
-    from slipstream.bench.report import suite_markdown
+    """Write OUT/<entry>.json (atomically: a crash keeps the previous version), OUT/<entry>.md and, where
+    rows carry held-out eval curves, OUT/<entry>-eval.png."""
+    from slipstream.bench.report import eval_curve_plot, suite_markdown
 
     summary = entry.summary(rows) if entry.summary else {}
     record = {**meta, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "summary": summary}
@@ -129,6 +130,9 @@ def write_results(path: Path, meta: dict, rows: list[dict], entry: Entry) -> Non
     tmp.write_text(json.dumps(record, indent=1, default=str))
     tmp.replace(path)
     path.with_suffix(".md").write_text(suite_markdown(record))
+    figure = eval_curve_plot(rows)
+    if figure is not None:
+        figure.savefig(path.with_name(f"{path.stem}-eval.png"), dpi=110)
 
 
 # ---------------------------------------------------------------- running rows

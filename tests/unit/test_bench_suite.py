@@ -147,6 +147,8 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
     assert all(row["held_out"] == {"sum": False} for row in rows.values())  # the demo's eval is its whole space
     text = (tmp_path / "real-model.md").read_text()
     assert "problems, not held out)" in text and "Curve: step 0 (" in text
+    figure = tmp_path / "real-model-eval.png"  # the curves as a picture
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5000
 
 
 def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
