@@ -95,7 +95,7 @@ class RolloutSection:
     decode_attention: Literal["triton", "flash"] = "triton"
     """Decode attention kernel on CUDA: Triton split-K with GQA packing (needs triton), or FlashAttention's varlen forward."""
     sleep_during_train: bool = True
-    """Free the rollout's KV cache and weights on the GPU while the trainer works (colocated; a no-op on the CPU)."""
+    """Free the rollout's KV cache and weights while the trainer works (colocated): the weights are dropped, not moved to the host, and come back with the weight sync after the update; false keeps cache, weights and decode graphs (more memory, no re-allocation or graph capture each step)."""
 
 
 @dataclass
