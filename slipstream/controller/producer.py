@@ -13,6 +13,13 @@ lock between two engine steps, copies the weights in place, and in-flight sample
 next tokens carry the new version). A group is scored as soon as its last sample finishes; with
 dynamic sampling a group whose rewards are all equal is dropped and the next prompt of the stream
 takes its place, so batch j is always full of groups with a learning signal.
+
+On a GPU the producer thread issues its work on a CUDA stream of its own, at high priority: the
+rollout's decode (memory-bound) and the trainer's passes (compute-bound) can then run on the device
+at the same time instead of queueing behind each other on the default stream. The two streams meet
+only where the engine changes hands: a weight update (the copy waits for the rollout's work, the
+rollout's next step waits for the copy) and an eval's pause (the eval waits for the rollout's work,
+the rollout's next step waits for the eval's).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from slipstream.batching.records import Sample
 from slipstream.controller.prompts import PromptSource
@@ -68,9 +77,13 @@ class RolloutProducer:
         self._parked = False  # the producer thread waits with nothing in flight (it submits nothing meanwhile)
         self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        device = stages.engine.device
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        """The producer thread's CUDA stream (None on the CPU)."""
 
     # ------------------------------------------------------------------ trainer side
     def start(self) -> None:
+        self._join_streams(to_trainer=False)  # the rollout starts after the trainer's weight sync and evals
         self._thread.start()
 
     def stop(self) -> None:
@@ -78,6 +91,7 @@ class RolloutProducer:
             self._stop = True
             self.cond.notify_all()
         self._thread.join()
+        self._join_streams(to_trainer=True)
 
     def take(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Block until batch `step` is complete; its samples (group order) and producer metrics."""
@@ -115,7 +129,9 @@ class RolloutProducer:
                 raise RuntimeError("the rollout producer failed") from self.error
         try:
             with self.engine_lock:
+                self._join_streams(to_trainer=True)
                 yield
+                self._join_streams(to_trainer=False)
         finally:
             with self.cond:
                 self._pause = False
@@ -124,11 +140,24 @@ class RolloutProducer:
     def update_weights(self, named_tensors, version: int) -> None:
         """Copy new weights into the engine between two engine steps; admit the batches version allows."""
         with self.engine_lock:
+            self._join_streams(to_trainer=True)
             self.stages.rollout.update_weights(named_tensors, version=version)
+            self._join_streams(to_trainer=False)
         with self.cond:
             self.trainer_version = version
             self.cond.notify_all()
 
+
+    def _join_streams(self, to_trainer: bool) -> None:
+        """Order the two streams where the engine changes hands (called by the trainer thread, engine lock
+        held): to_trainer, the trainer's next work waits for the rollout's; else the reverse."""
+        if self.stream is None:
+            return
+        trainer = torch.cuda.current_stream(self.stream.device)
+        if to_trainer:
+            trainer.wait_stream(self.stream)
+        else:
+            self.stream.wait_stream(trainer)
 
     # ------------------------------------------------------------------ producer thread
     def _complete(self, step: int) -> bool:
@@ -136,33 +165,38 @@ class RolloutProducer:
         return batch is not None and len(batch.done) >= batch.needed and not batch.pending
 
     def _run(self) -> None:
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         try:
-            while True:
-                with self.cond:
-                    if self._stop:
-                        return
-                    start_batch = not self._pause and self.next_batch <= self.trainer_version + self.max_staleness
-                if start_batch:
-                    self._start_batch()
-                    continue
-                if self.stages.rollout.has_work:
-                    with self.engine_lock:
-                        finished = self.stages.rollout.step()
-                    self._collect(finished)
-                    continue
-                with self.cond:  # throttled (wait for the next weight sync or stop) or paused
-                    started = time.perf_counter()
-                    self._parked = True
-                    self.cond.notify_all()
-                    while not self._stop and (self._pause or self.next_batch > self.trainer_version + self.max_staleness):
-                        self.cond.wait()
-                    self._parked = False
-                    self.idle_s += time.perf_counter() - started
+            with stream:
+                self._loop()
         except BaseException as err:  # surfaced to the trainer thread by take()
             log.exception("rollout producer failed")
             with self.cond:
                 self.error = err
                 self.cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if self._stop:
+                    return
+                start_batch = not self._pause and self.next_batch <= self.trainer_version + self.max_staleness
+            if start_batch:
+                self._start_batch()
+                continue
+            if self.stages.rollout.has_work:
+                with self.engine_lock:
+                    finished = self.stages.rollout.step()
+                self._collect(finished)
+                continue
+            with self.cond:  # throttled (wait for the next weight sync or stop) or paused
+                started = time.perf_counter()
+                self._parked = True
+                self.cond.notify_all()
+                while not self._stop and (self._pause or self.next_batch > self.trainer_version + self.max_staleness):
+                    self.cond.wait()
+                self._parked = False
+                self.idle_s += time.perf_counter() - started
 
     def _start_batch(self) -> None:
         j = self.next_batch
