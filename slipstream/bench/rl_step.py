@@ -180,7 +180,9 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         f"{'linspace(256, 3584) per sample' if rl.budgets == 'w1' else r.max_new_tokens}"
         f"{', stop tokens ignored' if rl.ignore_stop else ''}, {r.prompts_per_step} prompts x group {r.group_size}",
         "placement": "colocated, one process (trainer and rollout share the device), "
-        + ("synchronous" if cfg.trainer.mode == "sync" else f"asynchronous, max_staleness {cfg.trainer.max_staleness}"),
+        + ("synchronous" + ("" if r.sleep_during_train else ", rollout awake while training") if cfg.trainer.mode == "sync"
+           else f"asynchronous, max_staleness {cfg.trainer.max_staleness}"
+           + ("" if cfg.trainer.async_stream else ", rollout on the trainer's CUDA stream")),
     }
     return {
         "status": "ok",

@@ -280,6 +280,8 @@ class TrainerSection:
     """sync: generate, then train, then sync weights; async: the rollout generates future steps' batches in a background thread while the trainer trains."""
     max_staleness: int = 1
     """async: a trained token was sampled at most this many policy versions (weight syncs) before the trainer's; 0 reproduces sync."""
+    async_stream: bool = True
+    """async on a GPU: the producer thread generates on a CUDA stream of its own, so decode and the trainer's passes can share the device; false queues both on the default stream."""
     stop_on_nan: bool = True
     """Stop when the loss or gradient norm is not finite (that optimizer step is skipped; the last checkpoint is the resume point)."""
     stall_dump_s: float = 600.0

@@ -78,8 +78,9 @@ class RolloutProducer:
         self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         device = stages.engine.device
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        """The producer thread's CUDA stream (None on the CPU)."""
+        own = device.type == "cuda" and stages.cfg.trainer.async_stream
+        self.stream = torch.cuda.Stream(device, priority=-1) if own else None
+        """The producer thread's CUDA stream (None on the CPU or with trainer.async_stream false)."""
 
     # ------------------------------------------------------------------ trainer side
     def start(self) -> None:

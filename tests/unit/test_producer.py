@@ -45,7 +45,8 @@ def _producer(rollout: GatedRollout, groups: int) -> RolloutProducer:
     stages = SimpleNamespace(
         rollout=rollout, sampling=SimpleNamespace(n=rollout.n), my_share=lambda rs: (0, rs),
         budgets_for=lambda gids: None, score=lambda samples: samples, has_signal=lambda samples: True,
-        cfg=SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=groups)), engine=SimpleNamespace(device=torch.device("cpu")),
+        cfg=SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=groups), trainer=SimpleNamespace(async_stream=True)),
+        engine=SimpleNamespace(device=torch.device("cpu")),
     )  # fmt: skip
     return RolloutProducer(stages, prompts, max_staleness=0, first_step=0)
 
