@@ -5,7 +5,8 @@ plus `trainer.pt` with the step, the data position and every RNG state, so `resu
 continues exactly where the run stopped. `trainer.pt` holds only tensors and plain Python
 values and is read with `torch.load(weights_only=True)`: a file that would run code when
 unpickled is refused. (The fsdp backend's DCP directory is another matter: torch reads its
-`.metadata` with plain pickle, see docs/architecture.md.) A crash mid-save leaves only a `.tmp` directory,
+`.metadata` with plain pickle, see docs/architecture.md.) A save that raises or is interrupted removes its
+`.tmp` directory; a killed one leaves only the `.tmp` directory,
 which the next save of that step removes; `latest()` never returns a partial checkpoint.
 
 Several processes (a data-parallel run) save together: rank 0 makes and later renames the
@@ -97,8 +98,13 @@ class CheckpointManager:
             raise RuntimeError(
                 f"rank {rank} cannot see {tmp}, made by rank 0: trainer.run_dir must be on a filesystem shared by all ranks"
             )
-        write(tmp)
-        torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / trainer_file(rank))
+        try:
+            write(tmp)
+            torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / trainer_file(rank))
+        except BaseException:  # an interrupted or failed save leaves nothing behind (a killed one: the .tmp)
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         barrier()  # every rank's files are in place before the rename
         if rank != 0:
             barrier()  # ... and the rename is done before any rank goes on

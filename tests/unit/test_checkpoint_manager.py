@@ -83,3 +83,18 @@ def test_a_checkpoint_of_the_older_format_still_loads(tmp_path):
     np.random.seed(4)
     assert manager.load_trainer_state(manager.latest())["step"] == 2
     assert np.random.rand() == expected
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+def test_an_interrupted_save_leaves_nothing_behind(tmp_path, error):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(2, lambda d: (d / "model.pt").write_bytes(b"weights"), {"position": 2})
+
+    def write(directory):
+        (directory / "model.pt").write_bytes(b"half")
+        raise error("stopped mid-save")
+
+    with pytest.raises(error):
+        manager.save(4, write, {"position": 4})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"]  # no step_000004.tmp
+    assert manager.latest() == tmp_path / "step_000002"
