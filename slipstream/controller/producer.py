@@ -131,8 +131,10 @@ class RolloutProducer:
         try:
             with self.engine_lock:
                 self._join_streams(to_trainer=True)
-                yield
-                self._join_streams(to_trainer=False)
+                try:
+                    yield
+                finally:
+                    self._join_streams(to_trainer=False)
         finally:
             with self.cond:
                 self._pause = False
@@ -142,8 +144,10 @@ class RolloutProducer:
         """Copy new weights into the engine between two engine steps; admit the batches version allows."""
         with self.engine_lock:
             self._join_streams(to_trainer=True)
-            self.stages.rollout.update_weights(named_tensors, version=version)
-            self._join_streams(to_trainer=False)
+            try:
+                self.stages.rollout.update_weights(named_tensors, version=version)
+            finally:
+                self._join_streams(to_trainer=False)
         with self.cond:
             self.trainer_version = version
             self.cond.notify_all()
