@@ -28,6 +28,7 @@ import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Sequence
 
@@ -211,6 +212,11 @@ class RewardRunner:
         # (it prints no traceback). The mask is per thread and another thread of this process may
         # take the signal, so the handler is deferred too: a Ctrl-C during start() interrupts this
         # process once start() has returned and the worker is one of its children (killable).
+        # multiprocessing's resource tracker starts with the first spawned process, and its start ends
+        # with SIG_UNBLOCK of SIGINT in this thread: started inside the window below, it would open the
+        # window before the worker is created (a Ctrl-C then reached the worker during interpreter
+        # start-up: "Fatal Python error: init_import_site ... KeyboardInterrupt"). Start it first.
+        resource_tracker.ensure_running()
         deferred: list[int] = []
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, lambda signum, _frame: deferred.append(signum)) if main_thread else None

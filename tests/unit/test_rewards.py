@@ -322,3 +322,30 @@ def test_answer_extraction_modes():
     assert math_reward("<answer>41</answer> and 43", "41", "") == 1.0  # auto: the tag first
     with pytest.raises(ValueError, match="answer extraction"):
         extract_answer("x", "first_line")
+
+
+def test_reward_workers_are_created_with_sigint_blocked(monkeypatch):
+    """A Ctrl-C sent to the process group while a worker's interpreter starts must not reach it. The
+    worker is exec'd with SIGINT blocked, including the first one, whose spawn also starts
+    multiprocessing's resource tracker (whose start unblocks SIGINT in the calling thread)."""
+    import signal
+    from multiprocessing import resource_tracker, util
+
+    fresh = resource_tracker.ResourceTracker()  # not yet running, as in a new `slipstream train`
+    monkeypatch.setattr(resource_tracker, "ensure_running", fresh.ensure_running)
+    monkeypatch.setattr(resource_tracker, "getfd", fresh.getfd)
+    masks = []
+    spawn = util.spawnv_passfds
+
+    def recording(path, args, passfds):
+        if any("spawn_main" in os.fsdecode(a) for a in args):  # a worker, not the tracker
+            masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return spawn(path, args, passfds)
+
+    monkeypatch.setattr(util, "spawnv_passfds", recording)
+    try:
+        with RewardRunner([("exact", 1.0)], num_workers=2, timeout_s=10.0) as runner:
+            assert runner.score([("7", "7", "")])[0][0] == 1.0
+    finally:
+        fresh._stop()
+    assert len(masks) == 2 and all(signal.SIGINT in m for m in masks), masks
