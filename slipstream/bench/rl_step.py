@@ -182,7 +182,8 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         "placement": "colocated, one process (trainer and rollout share the device), "
         + ("synchronous" + ("" if r.sleep_during_train else ", rollout awake while training") if cfg.trainer.mode == "sync"
            else f"asynchronous, max_staleness {cfg.trainer.max_staleness}"
-           + ("" if cfg.trainer.async_stream else ", rollout on the trainer's CUDA stream")),
+           + ("" if cfg.trainer.async_stream else ", rollout on the trainer's CUDA stream")
+           + (", in-flight requests re-prefilled at a weight sync" if r.on_weight_update == "reprefill" else "")),
     }
     return {
         "status": "ok",

@@ -407,10 +407,13 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
         device = "cuda"
     # sync-awake: the engine keeps its weights, KV cache and decode graphs while the actor trains (no sleep /
     # wake, no graph recapture each step): what the sleep costs where the memory allows both
-    # async-...-shared-stream: the producer's work queued on the trainer's stream (what its own stream buys)
-    modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"],
-             "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"],
-             "async-staleness-1-shared-stream": ["trainer.mode=async", "trainer.max_staleness=1", "trainer.async_stream=false"]}
+    # async-...-shared-stream: the producer's work queued on the trainer's stream (what its own stream buys);
+    # async-...-reprefill: requests in flight at a weight sync prefill their prefix again with the new weights
+    # instead of keeping their cached keys / values (rollout.on_weight_update)
+    async1 = ["trainer.mode=async", "trainer.max_staleness=1"]
+    modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"], "async-staleness-1": async1,
+             "async-staleness-1-shared-stream": [*async1, "trainer.async_stream=false"],
+             "async-staleness-1-reprefill": [*async1, "rollout.on_weight_update=reprefill"]}
     rows = [
         _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
              "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
@@ -487,7 +490,8 @@ def async_gpus_rows(quick: bool) -> list[Row]:
 
 def rl_step_w1_summary(rows: list[dict]) -> dict:
     """Whole-step time ratios (medians) from this file's rows: sync over async, sync over sync without the engine's
-    sleep, async with the producer on the trainer's stream over its own, TRL over slipstream (fixed budget)."""
+    sleep, async with the producer on the trainer's stream over its own, async re-prefilling in-flight requests at
+    a weight sync over keeping their cache, TRL over slipstream (fixed budget)."""
     step = {r["row"]: r["phases"]["step"]["time_s"] for r in rows
             if r.get("status") == "ok" and r.get("phases", {}).get("step")}  # fmt: skip
     out = {}
@@ -497,6 +501,8 @@ def rl_step_w1_summary(rows: list[dict]) -> dict:
         out["sync_over_sync_awake_step_time"] = step["sync"] / step["sync-awake"]
     if {"async-staleness-1-shared-stream", "async-staleness-1"} <= set(step):
         out["shared_over_own_stream_step_time"] = step["async-staleness-1-shared-stream"] / step["async-staleness-1"]
+    if {"async-staleness-1-reprefill", "async-staleness-1"} <= set(step):
+        out["reprefill_over_keep_step_time"] = step["async-staleness-1-reprefill"] / step["async-staleness-1"]
     if {"fixed-512-slipstream", "fixed-512-trl"} <= set(step):
         out["trl_over_slipstream_step_time"] = step["fixed-512-trl"] / step["fixed-512-slipstream"]
     return out

@@ -116,14 +116,16 @@ def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
     record = json.loads((tmp_path / "rl-step-w1.json").read_text())
     rows = {r["row"]: r for r in record["rows"]}
     assert set(rows) == {"sync", "sync-awake", "async-staleness-1", "async-staleness-1-shared-stream",
-                         "fixed-512-slipstream", "fixed-512-trl"}
+                         "async-staleness-1-reprefill", "fixed-512-slipstream", "fixed-512-trl"}
     assert all(r["status"] == "ok" for r in rows.values())
     assert rows["sync"]["fairness"]["placement"].endswith("synchronous")  # the async row says so, with its bound
     assert rows["sync-awake"]["fairness"]["placement"].endswith("synchronous, rollout awake while training")
     assert rows["async-staleness-1"]["fairness"]["placement"].endswith("asynchronous, max_staleness 1")
     assert rows["async-staleness-1-shared-stream"]["fairness"]["placement"].endswith("on the trainer's CUDA stream")
+    assert rows["async-staleness-1-reprefill"]["fairness"]["placement"].endswith("re-prefilled at a weight sync")
     assert set(record["summary"]) == {"sync_over_async_step_time", "sync_over_sync_awake_step_time",
-                                      "shared_over_own_stream_step_time", "trl_over_slipstream_step_time"}
+                                      "shared_over_own_stream_step_time", "reprefill_over_keep_step_time",
+                                      "trl_over_slipstream_step_time"}
 
 
 def test_quick_demo_reads_training_rows_beside_the_eval_rows(tmp_path):
