@@ -52,7 +52,8 @@ case "${1:-}" in
   download)
     set -euo pipefail
     cd "$(dirname "${BASH_SOURCE[0]}")/.."
-    rm -rf .whl && mkdir -p .whl/verl
+    # only what this command fetches: .whl/rg (smollm2-download) and other folders under .whl stay
+    rm -rf .whl/verl && rm -f .whl/*.whl && mkdir -p .whl/verl
     "$PY" -m pip download -q "${CP312[@]}" -d .whl "${SLIPSTREAM_WHEELS[@]}"
     "$PY" -m pip download -q "${CP312[@]}" -d .whl/verl "${VERL_WHEELS[@]}"
     _antlr .whl/verl
