@@ -152,7 +152,6 @@ class RolloutProducer:
             self.trainer_version = version
             self.cond.notify_all()
 
-
     def _join_streams(self, to_trainer: bool) -> None:
         """Order the two streams where the engine changes hands (called by the trainer thread, engine lock
         held): to_trainer, the trainer's next work waits for the rollout's; else the reverse."""
