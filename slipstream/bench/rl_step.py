@@ -133,6 +133,19 @@ def shape_rollout(trainer, rl: RLStepSettings) -> None:
     st.sample_budgets = rl.sample_budgets(trainer.cfg.rollout.prompts_per_step * st.sampling.n)
 
 
+def _placement(cfg) -> str:
+    """The fairness line's placement: colocated in one process, the loop, and the settings that change how
+    rollout and training share the device."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.mode == "sync":
+        parts = ["synchronous"] + ([] if r.sleep_during_train else ["rollout awake while training"])
+    else:
+        parts = [f"asynchronous, max_staleness {t.max_staleness}"]
+        parts += [] if t.async_stream else ["rollout on the trainer's CUDA stream"]
+        parts += ["in-flight requests re-prefilled at a weight sync"] if r.on_weight_update == "reprefill" else []
+    return "colocated, one process (trainer and rollout share the device), " + ", ".join(parts)
+
+
 def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: str) -> dict:
     """Run `rl.steps` GRPO steps of slipstream on `backend` in a temporary run_dir; the cell's result."""
     import torch
@@ -179,11 +192,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
         f"top_p={r.top_p} top_k={r.top_k}, max_new_tokens "
         f"{'linspace(256, 3584) per sample' if rl.budgets == 'w1' else r.max_new_tokens}"
         f"{', stop tokens ignored' if rl.ignore_stop else ''}, {r.prompts_per_step} prompts x group {r.group_size}",
-        "placement": "colocated, one process (trainer and rollout share the device), "
-        + ("synchronous" + ("" if r.sleep_during_train else ", rollout awake while training") if cfg.trainer.mode == "sync"
-           else f"asynchronous, max_staleness {cfg.trainer.max_staleness}"
-           + ("" if cfg.trainer.async_stream else ", rollout on the trainer's CUDA stream")
-           + (", in-flight requests re-prefilled at a weight sync" if r.on_weight_update == "reprefill" else "")),
+        "placement": _placement(cfg),
     }
     return {
         "status": "ok",

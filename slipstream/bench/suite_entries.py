@@ -393,6 +393,10 @@ def rollout_rows(quick: bool) -> list[Row]:
             for n, (a, t) in cases.items()]  # fmt: skip
 
 
+ASYNC_STALENESS_1 = ["trainer.mode=async", "trainer.max_staleness=1"]
+"""The async rows' loop: colocated, at most one weight version behind."""
+
+
 def rl_step_w1_rows(quick: bool) -> list[Row]:
     """The W1-shaped RL step (bench/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
     3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated); and
@@ -410,10 +414,9 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
     # async-...-shared-stream: the producer's work queued on the trainer's stream (what its own stream buys);
     # async-...-reprefill: requests in flight at a weight sync prefill their prefix again with the new weights
     # instead of keeping their cached keys / values (rollout.on_weight_update)
-    async1 = ["trainer.mode=async", "trainer.max_staleness=1"]
-    modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"], "async-staleness-1": async1,
-             "async-staleness-1-shared-stream": [*async1, "trainer.async_stream=false"],
-             "async-staleness-1-reprefill": [*async1, "rollout.on_weight_update=reprefill"]}
+    modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"], "async-staleness-1": ASYNC_STALENESS_1,
+             "async-staleness-1-shared-stream": [*ASYNC_STALENESS_1, "trainer.async_stream=false"],
+             "async-staleness-1-reprefill": [*ASYNC_STALENESS_1, "rollout.on_weight_update=reprefill"]}
     rows = [
         _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
              "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
@@ -494,18 +497,17 @@ def rl_step_w1_summary(rows: list[dict]) -> dict:
     a weight sync over keeping their cache, TRL over slipstream (fixed budget)."""
     step = {r["row"]: r["phases"]["step"]["time_s"] for r in rows
             if r.get("status") == "ok" and r.get("phases", {}).get("step")}  # fmt: skip
-    out = {}
-    if {"sync", "async-staleness-1"} <= set(step):
-        out["sync_over_async_step_time"] = step["sync"] / step["async-staleness-1"]
-    if {"sync", "sync-awake"} <= set(step):
-        out["sync_over_sync_awake_step_time"] = step["sync"] / step["sync-awake"]
-    if {"async-staleness-1-shared-stream", "async-staleness-1"} <= set(step):
-        out["shared_over_own_stream_step_time"] = step["async-staleness-1-shared-stream"] / step["async-staleness-1"]
-    if {"async-staleness-1-reprefill", "async-staleness-1"} <= set(step):
-        out["reprefill_over_keep_step_time"] = step["async-staleness-1-reprefill"] / step["async-staleness-1"]
-    if {"fixed-512-slipstream", "fixed-512-trl"} <= set(step):
-        out["trl_over_slipstream_step_time"] = step["fixed-512-trl"] / step["fixed-512-slipstream"]
-    return out
+    return {key: step[a] / step[b] for key, (a, b) in _RL_STEP_W1_RATIOS.items() if a in step and b in step}
+
+
+_RL_STEP_W1_RATIOS = {
+    "sync_over_async_step_time": ("sync", "async-staleness-1"),
+    "sync_over_sync_awake_step_time": ("sync", "sync-awake"),
+    "shared_over_own_stream_step_time": ("async-staleness-1-shared-stream", "async-staleness-1"),
+    "reprefill_over_keep_step_time": ("async-staleness-1-reprefill", "async-staleness-1"),
+    "trl_over_slipstream_step_time": ("fixed-512-trl", "fixed-512-slipstream"),
+}
+"""Summary ratio -> (numerator row, denominator row), step times."""
 
 
 def _eval_curve_result(cmd: list[str], samples_per_step: int, timeout_s: int) -> dict:
@@ -546,7 +548,7 @@ def real_model_rows(quick: bool) -> list[Row]:
     import importlib.util
 
     common = ["logging.tensorboard=false", "trainer.export_hf=false", "trainer.stall_dump_s=120"]
-    modes = {"sync": [], "async-staleness-1": ["trainer.mode=async", "trainer.max_staleness=1"]}
+    modes = {"sync": [], "async-staleness-1": ASYNC_STALENESS_1}
     if quick:
         base = ["-m", "slipstream.cli", "train", "recipes/demo.yaml", "trainer.device=cpu", "trainer.total_steps=4",
                 "reward.num_workers=0", *common]  # fmt: skip
