@@ -296,6 +296,9 @@ def suite_markdown(record: dict) -> str:
                 f"- {q['what']}: **{q['ratio']:.2f}x** (`{a}` {q['tok_per_s'][0]:,.0f} vs `{b}` {q['tok_per_s'][1]:,.0f} "
                 f"real tok/s; recompute {ra} / {rb}; peak {_fmt(pa, '.1f')} / {_fmt(pb, '.1f')} GiB)"
             )
+    scalars = {k: v for k, v in (record.get("summary") or {}).items() if isinstance(v, (int, float))}
+    if scalars:
+        lines += ["", "## Summary (from this file's rows)", "", *(f"- `{k}`: {v:.3f}" for k, v in scalars.items())]
     return "\n".join(lines + _unmeasured_and_fairness(matrix)) + "\n"
 
 

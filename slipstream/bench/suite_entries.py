@@ -181,6 +181,13 @@ def w1_summary(rows: list[dict]) -> dict:
             fastest = _best(ok, "slipstream-")
             if fastest and fastest != same:
                 ratios.append(_ratio(ok, fastest, best, f"fastest slipstream row vs {peer} at its best ({best})"))
+            # the peer's best row at each other recompute policy, against slipstream at that policy
+            for policy in sorted({recompute_of(r) for n, r in ok.items() if n.startswith(f"{peer}-")}):
+                at = max((n for n, r in ok.items() if n.startswith(f"{peer}-") and recompute_of(r) == policy),
+                         key=lambda n: ok[n]["phases"]["actor_train"]["tok_per_s"])  # fmt: skip
+                if at != best:
+                    ratios.append(_ratio(ok, f"slipstream-{policy}", at,
+                                         f"slipstream vs {peer}'s best row with recompute {policy} ({at})"))
     ops = {r["row"]: r for r in rows if r.get("kind") == "logprob_op" and r["status"] == "ok"}
     return {
         "ratios": [r for r in ratios if r],

@@ -152,6 +152,8 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
     assert all(row["held_out"] == {"sum": False} for row in rows.values())  # the demo's eval is its whole space
     text = (tmp_path / "real-model.md").read_text()
     assert "problems, not held out)" in text and "Curve: step 0 (" in text
+    ratio = record["summary"]["demo_sync_over_async_step_time"]
+    assert f"- `demo_sync_over_async_step_time`: {ratio:.3f}" in text  # the summary is in the page, not only the json
     figure = tmp_path / "real-model-eval.png"  # the curves as a picture
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 5000
 
@@ -165,3 +167,19 @@ def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
     assert time.monotonic() - start < 20  # the row's deadline, not the command's own 600 s
     assert row["status"] == "error" and row["reason"].startswith("timed out after")
     assert "measured so far" in row["output_tail"]
+
+
+def test_w1_summary_pairs_each_peer_recompute_policy_with_slipstream_at_that_policy():
+    from slipstream.bench.suite_entries import w1_summary
+
+    def row(name: str, recompute: str, tok_per_s: float) -> dict:
+        return {"row": name, "kind": "matrix", "status": "ok", "fairness": {"recompute": recompute},
+                "phases": {"actor_train": {"tok_per_s": tok_per_s, "peak_memory_gib": 1.0}}}  # fmt: skip
+
+    rows = [row("slipstream-none", "none", 400.0), row("slipstream-full", "full", 300.0),
+            row("trl-no-ckpt", "none", 150.0), row("trl-liger-no-ckpt", "none", 200.0),
+            row("trl-ckpt", "full (HF gradient checkpointing, every layer)", 100.0),
+            row("trl-liger-ckpt", "full (HF gradient checkpointing, every layer)", 120.0)]  # fmt: skip
+    ratios = {tuple(q["rows"]): q["ratio"] for q in w1_summary(rows)["ratios"]}
+    # the best TRL row overall (none), and the best TRL row at full recompute, each against slipstream at its policy
+    assert ratios == {("slipstream-none", "trl-liger-no-ckpt"): 2.0, ("slipstream-full", "trl-liger-ckpt"): 2.5}
