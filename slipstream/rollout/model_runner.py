@@ -2,10 +2,11 @@
 
 The forward uses the native `Transformer`'s own modules (norms, projections, RoPE) and replaces
 only the attention, which reads the slot cache through `ops/attention.py:cache_attention`. Each
-decoder layer is split at the attention into two pure functions (pre: norm, q/k/v, q/k norm,
-RoPE; post: output projection, residual, norm, MLP, residual); with `compile` they run under
-torch.compile (dynamic shapes: one compilation serves every layer, batch size and prompt length),
-which fuses their pointwise work. The cache write and the attention run between them.
+decoder layer is split at the attention into two pure functions (pre: q/k/v, q/k norm, RoPE, the
+cache write; post: output projection, residual, norm, MLP, residual, and the next layer's input
+norm, so that the residual add and that norm fuse); with `compile` they run under torch.compile
+(dynamic shapes: one compilation serves every layer, batch size and prompt length), which fuses
+their pointwise work. The attention runs between them.
 
 A decode step is the whole token step for a batch of B slots: embed, every layer, final norm, LM
 head in fp32, sampling on the device, then the state advance (next input token, position,
@@ -31,19 +32,27 @@ from slipstream.rollout.sampler import sample_tokens, vocab_hashes
 log = logging.getLogger(__name__)
 
 
-def _pre_attention(layer, qkv_weight, qkv_bias, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(T, H) hidden -> q (T, Hq, D), k / v (T, Hkv, D) of one layer, RoPE applied; one q/k/v matmul."""
+def _pre_attention(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, sin, k_cache, v_cache, write_index):
+    """Normed input (T, H) of one layer -> q (T, Hq, D); its k / v (RoPE applied) go to the cache rows
+    `write_index` (T,). One q/k/v matmul; under compile the q/k norms, the rotation and the cache write are
+    one kernel."""
     attn = layer.self_attn
     q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    q, k, v = F.linear(layer.input_layernorm(h), qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-    return attn.heads(q, k, v, cos, sin)
+    q, k, v = F.linear(x, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = attn.heads(q, k, v, cos, sin)
+    k_cache.index_copy_(0, write_index, k)
+    v_cache.index_copy_(0, write_index, v)
+    return q
 
 
-def _post_attention(layer, gate_up_weight, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Residual stream after one layer, from its input (T, H) and its attention output (T, Hq, D)."""
+def _post_attention(layer, gate_up_weight, next_norm, h: torch.Tensor, attn: torch.Tensor):
+    """Residual stream (T, H) after one layer, from its input and its attention output (T, Hq, D), and that
+    stream through `next_norm` (the next layer's input norm, or the final norm after the last layer): under
+    compile the last residual add and the next norm are one kernel."""
     h = h + layer.self_attn.o_proj(attn.flatten(-2))
     gate, up = F.linear(layer.post_attention_layernorm(h), gate_up_weight).chunk(2, dim=-1)
-    return h + layer.mlp.combine(gate, up)
+    h = h + layer.mlp.combine(gate, up)
+    return h, next_norm(h)
 
 
 def fuse_projections(model: Transformer) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
@@ -142,17 +151,17 @@ class ModelRunner:
         """Final-normed hidden (T, H) of packed new tokens (T,); their k/v go to cache rows `write_index` (T,)."""
         model = self.model
         h = model.embed_tokens(input_ids)
+        x = model.layers[0].input_layernorm(h)
         cos, sin = self.cos[positions], self.sin[positions]
-        for i, (layer, (qkv_w, qkv_b, gate_up_w)) in enumerate(zip(model.layers, self.fused)):
-            q, k, v = self._pre(layer, qkv_w, qkv_b, h, cos, sin)
-            cache.k[i].index_copy_(0, write_index, k)
-            cache.v[i].index_copy_(0, write_index, v)
+        next_norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+        for i, (layer, (qkv_w, qkv_b, gate_up_w), next_norm) in enumerate(zip(model.layers, self.fused, next_norms)):
+            q = self._pre(layer, qkv_w, qkv_b, x, cos, sin, cache.k[i], cache.v[i], write_index)
             attn = cache_attention(
                 q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal,
                 decode_kernel=self.decode_attention,
             )  # fmt: skip
-            h = self._post(layer, gate_up_w, h, attn)
-        return model.norm(h)
+            h, x = self._post(layer, gate_up_w, next_norm, h, attn)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits from an fp32-accumulated matmul, as the trainer's fused log-prob op computes them."""
