@@ -130,8 +130,8 @@ class BuiltinRollout:
         """Storage for the weights again, uninitialised: only `update_weights` calls it, and fills every
         weight before the engine generates (generating in between raises)."""
         if self._asleep:
-            allocate_parameters(self.model, self._dropped)
-            self.runner.refuse()
+            self.runner.refuse(self._dropped)  # the fused q/k/v and gate/up storages, at their full size
+            allocate_parameters(self.model, self._dropped)  # the other weights
             self._asleep = False
 
     # ------------------------------------------------------------------ generation

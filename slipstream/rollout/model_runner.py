@@ -55,22 +55,26 @@ def _post_attention(layer, gate_up_weight, next_norm, h: torch.Tensor, attn: tor
     return h, next_norm(h)
 
 
-def fuse_projections(model: Transformer) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+def fuse_projections(
+    model: Transformer, shapes: dict[str, torch.Size] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """Give each layer's q/k/v and gate/up weights one storage each; returns (qkv weight, qkv bias, gate_up weight).
 
     The module parameters become views into the fused tensors, so in-place weight updates (by
     name, as the trainer exports them) land in the fused storage, and the decode step runs one
     matmul where there were three (and two): fewer, larger GEMMs read the weights at a higher
     share of the memory bandwidth when the batch is small. Call again after `model.to()`, which
-    gives every parameter storage of its own.
+    gives every parameter storage of its own. With `shapes` (from `drop_parameters`) the fused
+    storages are allocated uninitialised at those shapes instead of concatenating the parameters.
     """
+    shape_of = None if shapes is None else {id(p): shapes[name] for name, p in model.named_parameters()}
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv_weight = _fuse([m.weight for m in parts])
-        qkv_bias = _fuse([m.bias for m in parts]) if attn.q_proj.bias is not None else None
-        fused.append((qkv_weight, qkv_bias, _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])))
+        qkv_weight = _fuse([m.weight for m in parts], shape_of)
+        qkv_bias = _fuse([m.bias for m in parts], shape_of) if attn.q_proj.bias is not None else None
+        fused.append((qkv_weight, qkv_bias, _fuse([mlp.gate_proj.weight, mlp.up_proj.weight], shape_of)))
     return fused
 
 
@@ -85,17 +89,25 @@ def drop_parameters(model: torch.nn.Module) -> dict[str, torch.Size]:
 
 
 def allocate_parameters(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> None:
-    """Give every parameter dropped by `drop_parameters` new storage of its shape, uninitialised."""
+    """Give every parameter dropped by `drop_parameters` and not yet given storage (by `fuse_projections`
+    with the same shapes) new storage of its shape, uninitialised."""
     for name, p in model.named_parameters():
-        p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+        if p.shape != shapes[name]:
+            p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
 
 
-def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    whole = torch.cat([p.data for p in params])
+def _fuse(params: list[torch.nn.Parameter], shape_of: dict[int, torch.Size] | None = None) -> torch.Tensor:
+    if shape_of is None:
+        whole = torch.cat([p.data for p in params])
+    else:
+        rows = [shape_of[id(p)][0] for p in params]
+        like = params[0]
+        whole = torch.empty((sum(rows), *shape_of[id(like)][1:]), dtype=like.dtype, device=like.device)
     offset = 0
     for p in params:
-        p.data = whole[offset : offset + p.shape[0]]
-        offset += p.shape[0]
+        n = p.shape[0] if shape_of is None else shape_of[id(p)][0]
+        p.data = whole[offset : offset + n]
+        offset += n
     return whole
 
 
@@ -236,10 +248,11 @@ class ModelRunner:
         self.graphs.clear()
         self._pool = None
 
-    def refuse(self) -> None:
-        """Fuse the projections again after the model moved (sleep / wake); graphs must be recaptured."""
+    def refuse(self, shapes: dict[str, torch.Size] | None = None) -> None:
+        """Fuse the projections again after the model moved, or allocate the fused storages at `shapes`
+        after `drop_parameters` (wake); graphs must be recaptured."""
         self.drop_graphs()
-        self.fused = fuse_projections(self.model)
+        self.fused = fuse_projections(self.model, shapes)
 
 
 class DecodeState:
