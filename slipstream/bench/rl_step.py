@@ -86,8 +86,14 @@ def summarise(values: Sequence[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
 
 
+_SUMMARISED = ("perf/", "async/", "rollout/")
+"""Metrics summarised over the timed steps: speed and memory, the async loop's staleness and drops, the
+rollout's log-prob mismatch against the trainer and its truncation share."""
+
+
 def step_statistics(per_step: Sequence[Mapping[str, float]], warmup_steps: int) -> tuple[dict, dict]:
-    """(metrics, phases) of a run: every perf/ metric over the timed steps, and per-phase time stats.
+    """(metrics, phases) of a run: every perf/, async/ and rollout/ metric over the timed steps, and per-phase
+    time stats.
 
     A metric enters only when every timed step reports it (e.g. MFU needs a known peak, peak memory
     needs CUDA). `reward/mean` keeps its first and last value over all steps, warm-up included.
@@ -95,7 +101,7 @@ def step_statistics(per_step: Sequence[Mapping[str, float]], warmup_steps: int) 
     if len(per_step) <= warmup_steps:
         raise ValueError(f"{len(per_step)} steps leave none to time after {warmup_steps} warm-up steps")
     timed = per_step[warmup_steps:]
-    names = sorted(k for k in timed[0] if k.startswith("perf/") and all(k in m for m in timed))
+    names = sorted(k for k in timed[0] if k.startswith(_SUMMARISED) and all(k in m for m in timed))
     metrics = {k: summarise([float(m[k]) for m in timed]) for k in names}
     rewards = [float(m["reward/mean"]) for m in per_step]
     metrics["reward/mean"] = {**summarise(rewards[warmup_steps:]), "first": rewards[0], "last": rewards[-1],

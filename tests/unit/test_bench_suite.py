@@ -123,6 +123,12 @@ def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
     assert rows["async-staleness-1"]["fairness"]["placement"].endswith("asynchronous, max_staleness 1")
     assert rows["async-staleness-1-shared-stream"]["fairness"]["placement"].endswith("on the trainer's CUDA stream")
     assert rows["async-staleness-1-reprefill"]["fairness"]["placement"].endswith("re-prefilled at a weight sync")
+    # the async rows carry their staleness (at most the bound) and drops; the sync rows the rollout's log-prob
+    # mismatch (measured on tokens of the trainer's current weights, which an async step may not have)
+    stale = rows["async-staleness-1"]["metrics"]["async/staleness_max"]
+    assert stale["max"] <= 1 and "async/dropped_stale" in rows["async-staleness-1"]["metrics"]
+    assert "async/staleness_max" not in rows["sync"]["metrics"]
+    assert all("rollout/logprob_abs_diff_mean" in rows[n]["metrics"] for n in ("sync", "sync-awake", "fixed-512-slipstream"))
     assert set(record["summary"]) == {"sync_over_async_step_time", "sync_over_sync_awake_step_time",
                                       "shared_over_own_stream_step_time", "reprefill_over_keep_step_time",
                                       "trl_over_slipstream_step_time"}
