@@ -97,17 +97,16 @@ def allocate_parameters(model: torch.nn.Module, shapes: dict[str, torch.Size]) -
 
 
 def _fuse(params: list[torch.nn.Parameter], shape_of: dict[int, torch.Size] | None = None) -> torch.Tensor:
+    shapes = [p.shape if shape_of is None else shape_of[id(p)] for p in params]
     if shape_of is None:
         whole = torch.cat([p.data for p in params])
     else:
-        rows = [shape_of[id(p)][0] for p in params]
-        like = params[0]
-        whole = torch.empty((sum(rows), *shape_of[id(like)][1:]), dtype=like.dtype, device=like.device)
+        rows, like = sum(s[0] for s in shapes), params[0]
+        whole = torch.empty((rows, *shapes[0][1:]), dtype=like.dtype, device=like.device)
     offset = 0
-    for p in params:
-        n = p.shape[0] if shape_of is None else shape_of[id(p)][0]
-        p.data = whole[offset : offset + n]
-        offset += n
+    for p, shape in zip(params, shapes):
+        p.data = whole[offset : offset + shape[0]]
+        offset += shape[0]
     return whole
 
 
