@@ -373,5 +373,10 @@ def _other_row_text(r: dict) -> str:
                 f"(last 10); step time median {r['step_time_median_s']:.3f} s, mean {r['step_time_mean_s']:.3f} s")  # fmt: skip
     if kind == "command":
         return f"ok: `{r['command']}` (output and data in the JSON)"
+    if kind == "rl_run":
+        return (f"{r['steps_timed']} timed steps: step time median {r['step_time_median_s']:.3f} s, "
+                f"{r['samples_per_hour']:,.0f} samples/h, trainer wait {_fmt(r['trainer_wait_ratio'], '.1%')}, "
+                f"rollout wait {_fmt(r['rollout_wait_ratio'], '.1%')}, staleness mean {_fmt(r['staleness_mean'], '.2f')} "
+                f"(max {r['staleness_max']:.0f}), weight sync {_fmt(r['weight_sync_s'], '.3f')} s")  # fmt: skip
     return f"{r['status']}"
 

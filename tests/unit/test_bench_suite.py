@@ -189,3 +189,35 @@ def test_w1_summary_pairs_each_peer_recompute_policy_with_slipstream_at_that_pol
     ratios = {tuple(q["rows"]): q["ratio"] for q in w1_summary(rows)["ratios"]}
     # the best TRL row overall (none), and the best TRL row at full recompute, each against slipstream at its policy
     assert ratios == {("slipstream-none", "trl-liger-no-ckpt"): 2.0, ("slipstream-full", "trl-liger-ckpt"): 2.5}
+
+
+def test_async_gpus_splits_follow_the_measured_rollout_share_and_the_speedup_is_against_its_own_sync_row():
+    from slipstream.bench.report import suite_markdown
+    from slipstream.bench.suite_entries import W1_ROLLOUT_SHARE, async_gpus_summary, async_splits
+
+    assert 0.78 < W1_ROLLOUT_SHARE < 0.79  # 15.50 s of generation in a 19.70 s generate + train step
+    # 1:1, the suggested split (round(0.787 N) rollout GPUs, with max_staleness 4 too) and N-1 : 1, never 0 or N
+    assert async_splits(2) == {1: (1, 4)}
+    assert async_splits(4) == {2: (1,), 3: (1, 4)}
+    assert async_splits(8) == {4: (1,), 6: (1, 4), 7: (1,)}
+
+    def rl_run(name: str, per_hour: float) -> dict:
+        return {"row": name, "status": "ok", "kind": "rl_run", "steps_timed": 4, "samples_per_hour": per_hour,
+                "step_time_median_s": 3600 * 64 / per_hour, "trainer_wait_ratio": 0.1, "rollout_wait_ratio": 0.2,
+                "staleness_mean": 1.0, "staleness_max": 1, "weight_sync_s": 0.05}  # fmt: skip
+
+    rows = [rl_run("sync-colocated-x8", 1000.0), rl_run("async-disaggregated-6to2-staleness-1", 2500.0),
+            rl_run("rg-sync-colocated-x8", 400.0), {**rl_run("rg-async-disaggregated-4to4-staleness-1", 600.0),
+                                                    "gain_points": {"chain_sum": 30.0}}]  # fmt: skip
+    summary = async_gpus_summary(rows)
+    # each async row over the sync row of its own recipe, never across recipes
+    assert summary == {"async-disaggregated-6to2-staleness-1_over_sync_samples_per_hour": 2.5,
+                       "rg-async-disaggregated-4to4-staleness-1_over_sync_samples_per_hour": 1.5,
+                       "rg-async-disaggregated-4to4-staleness-1_gain_points": {"chain_sum": 30.0}}  # fmt: skip
+    record = {"entry": "async-gpus", "description": "d", "date": "2026-12-04", "git_commit": "c", "source_digest": "s",
+              "gpu": "H200", "num_gpus": 8, "torch": "2.11", "cuda": "13.0", "transformers": "5.17", "python": "3.12",
+              "cpu_count": 16, "load_avg_1m": 0.5, "command": "slipstream bench suite", "quick": False,
+              "rows": rows[:2], "summary": async_gpus_summary(rows[:2])}  # fmt: skip
+    text = suite_markdown(record)
+    assert "- `async-disaggregated-6to2-staleness-1` 4 timed steps: step time median 92.160 s, 2,500 samples/h" in text
+    assert "- `async-disaggregated-6to2-staleness-1_over_sync_samples_per_hour`: 2.500" in text
