@@ -8,7 +8,9 @@ kernel reads each sequence's keys and values once, so the achieved bandwidth is
 (keys + values bytes) / time. Cases: a big batch (256 x ~1100, the nanovllm workload's middle), a
 medium one (64 x ~768, W1-sized) and the long tail of an RL step (8 x ~3000, 1 x ~4000).
 CUDA events, median of 20 after 5 warm-ups. Prints one line per (case, kernel) and the best
-launch configuration per case; `ops/decode_attention.py:LAUNCH` holds the chosen one.
+launch configuration per case; `ops/decode_attention.py:LAUNCH` holds the chosen one. Then, at
+the chosen launch, 2x / 4x / 8x the split count `choose_splits` gives (its programs-per-SM target
+is `ops/decode_attention.py:PROGRAMS_PER_SM`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
                         "as SLIPSTREAM_DECODE_LAUNCH takes it")  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
+    chosen = dict(decode_attention.LAUNCH)
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, (batch, mean_ctx) in CASES.items():
@@ -65,13 +68,25 @@ def main() -> None:
                 print(f"{name} {cfg}: {type(err).__name__}")
                 continue
             rows.append({"case": name, "kernel": "triton", **cfg, "splits": splits, "s": t, "tb_per_s": kv_bytes / t / 1e12})
+        # the split count at the chosen launch: choose_splits gives one split to big batches; more programs may
+        # hide more memory latency there
+        decode_attention.LAUNCH.update(chosen)
+        for more in sorted({splits, 2 * splits, 4 * splits, 8 * splits} - {splits}):
+            t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, more), dev)
+            rows.append({"case": name, "kernel": "triton-splits", **chosen, "splits": more, "s": t,
+                         "tb_per_s": kv_bytes / t / 1e12})  # fmt: skip
     for r in rows:
         print(json.dumps(r))
     for name in CASES:
         best = max((r for r in rows if r["case"] == name and r["kernel"] == "triton"), key=lambda r: r["tb_per_s"])
         flash = next(r for r in rows if r["case"] == name and r["kernel"] == "flash")
+        split_rows = [r for r in rows if r["case"] == name and r["kernel"] == "triton-splits"]
+        at_chosen = next(r for r in rows if r["case"] == name and r["kernel"] == "triton"
+                         and all(r[key] == value for key, value in chosen.items()))  # fmt: skip
+        by_splits = ", ".join(f"{r['splits']}: {r['tb_per_s']:.2f}" for r in [at_chosen, *split_rows])
         print(f"{name}: flash {flash['tb_per_s']:.2f} TB/s; best triton {best['tb_per_s']:.2f} TB/s "
-              f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']})")
+              f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']}); "
+              f"at the chosen launch by splits (TB/s): {by_splits}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

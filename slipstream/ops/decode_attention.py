@@ -41,10 +41,16 @@ def available() -> bool:
     return triton is not None
 
 
+PROGRAMS_PER_SM = int(os.environ.get("SLIPSTREAM_DECODE_PROGRAMS_PER_SM", "2"))
+"""Split programs per SM that `choose_splits` aims for (a batch with more (sequence, kv head) pairs than that
+runs one split). The environment variable SLIPSTREAM_DECODE_PROGRAMS_PER_SM overrides it
+(`bench/bench_decode_attention.py` sweeps the split count)."""
+
+
 def choose_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Enough programs to give every SM about two, at most 16 splits of a sequence."""
+    """Enough programs to give every SM about `PROGRAMS_PER_SM`, at most 16 splits of a sequence."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(16, math.ceil(2 * sms / max(1, batch * kv_heads))))
+    return max(1, min(16, math.ceil(PROGRAMS_PER_SM * sms / max(1, batch * kv_heads))))
 
 
 if triton is not None:
