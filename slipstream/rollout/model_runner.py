@@ -2,7 +2,7 @@
 
 The forward uses the native `Transformer`'s own modules (norms, projections, RoPE) and replaces
 only the attention, which reads the slot cache through `ops/attention.py:cache_attention`. Each
-decoder layer is split at the attention into two pure functions (pre: q/k/v, q/k norm, RoPE, the
+decoder layer is split at the attention into two functions (pre: q/k/v, q/k norm, RoPE, the
 cache write; post: output projection, residual, norm, MLP, residual, and the next layer's input
 norm, so that the residual add and that norm fuse); with `compile` they run under torch.compile
 (dynamic shapes: one compilation serves every layer, batch size and prompt length), which fuses
