@@ -8,9 +8,10 @@ kernel reads each sequence's keys and values once, so the achieved bandwidth is
 (keys + values bytes) / time. Cases: a big batch (256 x ~1100, the nanovllm workload's middle), a
 medium one (64 x ~768, W1-sized) and the long tail of an RL step (8 x ~3000, 1 x ~4000).
 CUDA events, median of 20 after 5 warm-ups. Prints one line per (case, kernel) and the best
-launch configuration per case; `ops/decode_attention.py:LAUNCH` holds the chosen one. Then, at
-the chosen launch, 2x / 4x / 8x the split count `choose_splits` gives (its programs-per-SM target
-is `ops/decode_attention.py:PROGRAMS_PER_SM`).
+launch configuration per case (block rows, warps, stages, grid order);
+`ops/decode_attention.py:LAUNCH` holds the chosen one. Then, at the chosen launch, 2x / 4x / 8x
+the split count `choose_splits` gives (its programs-per-SM target is
+`ops/decode_attention.py:PROGRAMS_PER_SM`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from slipstream.ops.attention import cache_attention
 from slipstream.perf.timers import repeat_timed
 
 CASES = {"b256-ctx1100": (256, 1100), "b64-ctx768": (64, 768), "b8-ctx3000": (8, 3000), "b1-ctx4000": (1, 4000)}
-CONFIGS = [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+CONFIGS = [
+    dict(block_n=n, num_warps=w, num_stages=s, heads_first=h)
+    for n, w, s, h in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0, 1))
+]
 
 
 def _time(fn, device: torch.device) -> float:
@@ -85,7 +89,8 @@ def main() -> None:
                          and all(r[key] == value for key, value in chosen.items()))  # fmt: skip
         by_splits = ", ".join(f"{r['splits']}: {r['tb_per_s']:.2f}" for r in [at_chosen, *split_rows])
         print(f"{name}: flash {flash['tb_per_s']:.2f} TB/s; best triton {best['tb_per_s']:.2f} TB/s "
-              f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']}); "
+              f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} "
+              f"heads_first={best['heads_first']} splits={best['splits']}); "
               f"at the chosen launch by splits (TB/s): {by_splits}")
     if args.out:
         with open(args.out, "w") as f:
@@ -98,7 +103,7 @@ def main() -> None:
         best = max(CONFIGS, key=mean_bw)
         print(f"best over the cases: {best} ({mean_bw(best):.2f} TB/s mean)")
         with open(args.best_to, "w") as f:
-            f.write(f"{best['block_n']},{best['num_warps']},{best['num_stages']}")
+            f.write(",".join(str(best[key]) for key in decode_attention.LAUNCH))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,13 @@ try:
 except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
-LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages
-(chosen by `bench/bench_decode_attention.py` on the H200; see docs/benchmarks.md). The environment
-variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages" overrides it."""
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 0}
+"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, and
+the grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
+order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
+one stream; 0: neighbours are sequences of the same head). Chosen by `bench/bench_decode_attention.py`
+on the H200; see docs/benchmarks.md. The environment variable
+SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first]" overrides it."""
 if os.environ.get("SLIPSTREAM_DECODE_LAUNCH"):
     LAUNCH.update(zip(LAUNCH, (int(v) for v in os.environ["SLIPSTREAM_DECODE_LAUNCH"].split(","))))
 
@@ -62,10 +65,14 @@ if triton is not None:
         stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
         scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        if HEADS_FIRST:
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            h = tl.program_id(1)
         s = tl.program_id(2)
         start = tl.load(Starts + b).to(tl.int64)
         length = tl.load(Lengths + b)
@@ -150,13 +157,14 @@ def decode_attention(
     # one split: the split kernel writes `out` itself and the workspaces are never touched
     acc = torch.empty((bsz, hq, num_splits, d) if num_splits > 1 else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
     ml = torch.empty((bsz, hq, num_splits, 2) if num_splits > 1 else (1, 1, 1, 2), dtype=torch.float32, device=q.device)
-    _split_kernel[(bsz, hkv, num_splits)](
+    heads_first = bool(LAUNCH["heads_first"])
+    _split_kernel[(hkv, bsz, num_splits) if heads_first else (bsz, hkv, num_splits)](
         q, k_cache, v_cache, starts, lengths, acc, ml, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
-        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     if num_splits == 1:

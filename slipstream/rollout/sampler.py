@@ -26,20 +26,28 @@ _VOCAB_SALT = 0x5BD1E995
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash (Wellons' "lowbias32") of int64 values in [0, 2**32).
+    """A bijective 32-bit integer hash (Wellons' "lowbias32") of int32 tensors holding 32-bit patterns.
 
-    The products may overflow int64; they wrap modulo 2**64 on every device torch runs on, and
-    the masked low 32 bits are the same either way.
+    int32, not int64: the GPU multiplies 32-bit integers natively (64-bit products take several
+    instructions), and the noise of a whole (B, V) row block is hashed every decode step. The products
+    wrap modulo 2**32 on every device torch runs on; the right shifts are made logical by masking the
+    bits an arithmetic shift copies from the sign.
     """
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * (0x846CA68B - (1 << 32))  # the constant's 32-bit pattern as a signed int32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def as_int32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of an integer tensor as int32 (two's complement), exactly on every device."""
+    low = x.long() & _MASK32
+    return (low - ((low >> 31) << 32)).to(torch.int32)
 
 
 def _mix32_int(x: int) -> int:
-    """`mix32` on a Python int (host side, same function)."""
+    """`mix32` on a Python int in [0, 2**32) (host side, same function, unsigned result)."""
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _MASK32
     x ^= x >> 15
@@ -58,14 +66,14 @@ def row_seed(seed: int, key: int, sample_index: int) -> int:
 
 
 def vocab_hashes(vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """Per-vocabulary-entry hash (V,) int64, computed once per engine and mixed with each row's stream."""
-    return mix32((torch.arange(vocab_size, dtype=torch.int64, device=device) + _VOCAB_SALT) & _MASK32)
+    """Per-vocabulary-entry hash (V,) int32, computed once per engine and mixed with each row's stream."""
+    return mix32(as_int32(torch.arange(vocab_size, dtype=torch.int64, device=device) + _VOCAB_SALT))
 
 
 def gumbel_noise(seeds: torch.Tensor, token_index: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise (B, V) fp32 for rows with 32-bit `seeds` (B,) at response position `token_index` (B,)."""
-    stream = mix32((seeds ^ mix32(token_index & _MASK32)) & _MASK32)  # (B,) one stream per row and position
-    bits = mix32(stream[:, None] ^ vocab_hash[None, :]) >> 8  # (B, V), 24 random bits
+    stream = mix32(as_int32(seeds) ^ mix32(as_int32(token_index)))  # (B,) one stream per row and position
+    bits = (mix32(stream[:, None] ^ vocab_hash[None, :]) >> 8) & 0xFFFFFF  # (B, V), 24 random bits
     u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(-torch.log(u))
 

@@ -17,7 +17,16 @@ from slipstream.rollout.base import RolloutEngine, SamplingParams
 from slipstream.rollout.builtin import BuiltinRollout
 from slipstream.rollout.core import decode_buckets
 from slipstream.rollout.kv_cache import SlotCache
-from slipstream.rollout.sampler import filter_logits, sample_tokens, top_p_threshold, vocab_hashes
+from slipstream.rollout.sampler import (
+    _mix32_int,
+    as_int32,
+    filter_logits,
+    gumbel_noise,
+    mix32,
+    sample_tokens,
+    top_p_threshold,
+    vocab_hashes,
+)
 
 torch.set_num_threads(1)
 
@@ -265,6 +274,24 @@ def test_top_p_threshold_equals_the_sorted_rule():
         # the cumsum and the masked sum add in different orders: a cut exactly at a rounding boundary may move
         # by one token; measured: equal in all 120 rows
         assert torch.equal(got, expected)
+
+
+def test_int32_hash_and_noise_equal_the_unsigned_reference():
+    """The device hash works on int32 patterns (wrapping products, masked shifts); it must give the unsigned
+    32-bit function of the host side bit for bit, so the sign bit and the wrap-around are covered."""
+    values = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0x5BD1E995, 123456789, 0xDEADBEEF]
+    got = mix32(as_int32(torch.tensor(values, dtype=torch.int64))).long() & 0xFFFFFFFF
+    assert got.tolist() == [_mix32_int(v) for v in values]
+
+    seeds = torch.tensor([0, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF], dtype=torch.int64)
+    index = torch.tensor([0, 5, 4095, 1], dtype=torch.int64)
+    vocab = 300
+    noise = gumbel_noise(seeds, index, vocab_hashes(vocab, "cpu"))
+    for row, (seed, i) in enumerate(zip(seeds.tolist(), index.tolist())):
+        stream = _mix32_int(seed ^ _mix32_int(i))
+        bits = torch.tensor([_mix32_int(stream ^ _mix32_int((v + 0x5BD1E995) & 0xFFFFFFFF)) >> 8 for v in range(vocab)])
+        u = (bits.float() + 0.5) * (1.0 / (1 << 24))
+        assert torch.equal(noise[row], -torch.log(-torch.log(u)))
 
 
 def test_gumbel_sampling_draws_from_the_filtered_softmax():
