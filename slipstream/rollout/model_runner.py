@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import cache_attention, decode_capturable
+from slipstream.ops import sampling
 from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.kv_cache import SlotCache
 from slipstream.rollout.sampler import sample_tokens, vocab_hashes
@@ -179,7 +180,11 @@ class ModelRunner:
         return mm_fp32(hidden, self.model.lm_head_weight.t())
 
     def sample(self, logits, state: "DecodeState", seeds, token_index, mode: tuple[bool, int, bool]):
+        """Tokens and behaviour log-probs of fp32 logits (B, V): on CUDA without top-k / top-p, the one-pass
+        Triton kernel (one read of the logits instead of three); else `sample_tokens` (compiled with the layers)."""
         greedy, top_k, use_top_p = mode
+        if self.device.type == "cuda" and sampling.available() and not top_k and not use_top_p:
+            return sampling.sample_rows(logits, state.temperature, seeds, token_index, self.vocab_hash, greedy)
         top_p = state.top_p if use_top_p else 1.0
         return self._sample(logits, state.temperature, seeds, token_index, self.vocab_hash, greedy, top_k, top_p)
 

@@ -1,0 +1,140 @@
+"""One-pass sampling over fp32 logits in Triton: the Gumbel-max draw and the behaviour log-prob together.
+
+`rollout/sampler.py:sample_tokens` without top-k / top-p is, per row,
+
+    scaled = logits / T,   lse = logsumexp(scaled),   token = argmax(scaled + g),   logprob = scaled[token] - lse
+
+with the keyed Gumbel noise g of `rollout/sampler.py:gumbel_noise`. Compiled with torch that is three
+passes over the (B, V) logits (the max and the exp-sum of logsumexp, then the noisy argmax), and the
+noise hash runs in the third. Here one pass does all of it: each program reads a chunk of a row's
+vocabulary once, keeping an online logsumexp (running max m and sum l) and the best noisy value with
+its token and its scaled logit; a second small kernel merges the chunks of each row. Greedy rows
+(`NOISE=False`) take the plain argmax and the log-prob at temperature 1, as `sample_tokens` does.
+
+The same function as `sample_tokens` up to rounding: the noise formula is the same bit for bit up to
+the final logs, the online logsumexp adds in another order (about 1e-7 relative). Ties go to the lowest
+token id, as torch's argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.ops.decode_attention import available, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _mix32(x):
+        """`rollout/sampler.py:mix32` on int32 (wrapping products, shifts made logical by masks)."""
+        x = x ^ ((x >> 16) & 0xFFFF)
+        x = x * 0x7FEB352D
+        x = x ^ ((x >> 15) & 0x1FFFF)
+        x = x * -2073254261  # 0x846CA68B as a signed int32
+        return x ^ ((x >> 16) & 0xFFFF)
+
+    @triton.jit
+    def _chunk_kernel(
+        Logits, Temperature, Seeds, TokenIndex, VocabHash, Part, stride_lb, V, CHUNK,
+        NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        if NOISE:
+            t = tl.load(Temperature)
+            seed = tl.load(Seeds + b).to(tl.int32)  # the low 32 bits, as sampler.as_int32
+            index = tl.load(TokenIndex + b).to(tl.int32)
+            stream = _mix32(seed ^ _mix32(index))
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)  # noqa: E741
+        best = tl.full((), float("-inf"), tl.float32)
+        best_token = tl.zeros((), tl.int32)
+        best_scaled = tl.zeros((), tl.float32)
+        for v0 in range(lo, hi, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            valid = v < hi
+            x = tl.load(Logits + b * stride_lb + v, mask=valid, other=float("-inf"))
+            if NOISE:
+                scaled = x / t
+                bits = (_mix32(stream ^ tl.load(VocabHash + v, mask=valid, other=0)) >> 8) & 0xFFFFFF
+                u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                y = tl.where(valid, scaled - tl.log(-tl.log(u)), float("-inf"))
+            else:
+                scaled = x
+                y = x
+            m_new = tl.maximum(m, tl.max(scaled, 0))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), 0)  # noqa: E741
+            m = m_new
+            block_best = tl.max(y, 0)
+            block_token = tl.argmax(y, 0)  # the first position of the maximum
+            if block_best > best:  # strictly: an equal value in a later block has a higher token id
+                best = block_best
+                best_token = v0 + block_token
+                best_scaled = tl.sum(tl.where(v == v0 + block_token, scaled, 0.0), 0)
+        part = Part + (b * NUM_CHUNKS + c) * 5
+        tl.store(part, m)
+        tl.store(part + 1, l)
+        tl.store(part + 2, best)
+        tl.store(part + 3, best_token.to(tl.float32))  # token ids < 2**24 are exact in fp32
+        tl.store(part + 4, best_scaled)
+
+    @triton.jit
+    def _merge_kernel(Part, Tokens, Logprobs, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        b = tl.program_id(0)
+        c = tl.arange(0, CHUNKS_P2)
+        used = c < NUM_CHUNKS
+        part = Part + (b * NUM_CHUNKS + c) * 5
+        m = tl.load(part, mask=used, other=float("-inf"))
+        l = tl.load(part + 1, mask=used, other=0.0)  # noqa: E741
+        best = tl.load(part + 2, mask=used, other=float("-inf"))
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(tl.where(used, l * tl.exp(m - top), 0.0), 0))
+        winner = tl.argmax(best, 0)  # the first chunk holding the maximum: the lowest token id
+        token = tl.load(Part + (b * NUM_CHUNKS + winner) * 5 + 3)
+        scaled = tl.load(Part + (b * NUM_CHUNKS + winner) * 5 + 4)
+        tl.store(Tokens + b, token.to(tl.int64))
+        tl.store(Logprobs + b, scaled - lse)
+
+
+BLOCK = 2048
+"""Vocabulary entries per inner iteration."""
+
+
+def num_chunks(rows: int, vocab: int, device: torch.device) -> int:
+    """Programs per row: enough for about four per SM over the batch, each at least a few blocks long."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return max(1, min(-(-vocab // (4 * BLOCK)), -(-4 * sms // max(1, rows))))
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor | None,
+    token_index: torch.Tensor | None,
+    vocab_hash: torch.Tensor | None,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens(logits, temperature, seeds, token_index, vocab_hash, greedy)` without top-k / top-p, in
+    two kernel launches; fp32 logits (B, V) -> (tokens (B,) int64, behaviour log-probs (B,) fp32)."""
+    if not available():
+        raise RuntimeError("sample_rows needs triton")
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"sample_rows needs fp32 logits with contiguous rows (got {logits.dtype})")
+    chunks = num_chunks(rows, vocab, logits.device)
+    chunk = -(-vocab // chunks)
+    part = torch.empty((rows, chunks, 5), dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if greedy:  # unused pointers: any tensor of the right kind
+        seeds = token_index = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        vocab_hash = torch.zeros(1, dtype=torch.int32, device=logits.device)
+    _chunk_kernel[(rows, chunks)](
+        logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
+        NUM_CHUNKS=chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
+    )  # fmt: skip
+    _merge_kernel[(rows,)](part, tokens, logprobs, NUM_CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks))
+    return tokens, logprobs
