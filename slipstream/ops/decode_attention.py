@@ -29,7 +29,7 @@ try:
 except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
-LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 0}
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 1}
 """Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, and
 the grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
 order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
@@ -44,7 +44,7 @@ def available() -> bool:
     return triton is not None
 
 
-PROGRAMS_PER_SM = int(os.environ.get("SLIPSTREAM_DECODE_PROGRAMS_PER_SM", "2"))
+PROGRAMS_PER_SM = int(os.environ.get("SLIPSTREAM_DECODE_PROGRAMS_PER_SM", "8"))
 """Split programs per SM that `choose_splits` aims for (a batch with more (sequence, kv head) pairs than that
 runs one split). The environment variable SLIPSTREAM_DECODE_PROGRAMS_PER_SM overrides it
 (`bench/bench_decode_attention.py` sweeps the split count)."""

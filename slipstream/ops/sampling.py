@@ -34,10 +34,10 @@ if triton is not None:
         x = x * -2073254261  # 0x846CA68B as a signed int32
         return x ^ ((x >> 16) & 0xFFFF)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["V", "CHUNK", "NUM_CHUNKS"])
     def _chunk_kernel(
-        Logits, Temperature, Seeds, TokenIndex, VocabHash, Part, stride_lb, V, CHUNK,
-        NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr,
+        Logits, Temperature, Seeds, TokenIndex, VocabHash, Part, stride_lb, V, CHUNK, NUM_CHUNKS,
+        BLOCK: tl.constexpr, NOISE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         c = tl.program_id(1)
@@ -81,10 +81,10 @@ if triton is not None:
         tl.store(part + 3, best_token.to(tl.float32))  # token ids < 2**24 are exact in fp32
         tl.store(part + 4, best_scaled)
 
-    @triton.jit
-    def _merge_kernel(Part, Tokens, Logprobs, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    @triton.jit(do_not_specialize=["NUM_CHUNKS"])
+    def _merge_kernel(Part, Tokens, Logprobs, NUM_CHUNKS, MAX_CHUNKS: tl.constexpr):
         b = tl.program_id(0)
-        c = tl.arange(0, CHUNKS_P2)
+        c = tl.arange(0, MAX_CHUNKS)
         used = c < NUM_CHUNKS
         part = Part + (b * NUM_CHUNKS + c) * 5
         m = tl.load(part, mask=used, other=float("-inf"))
@@ -101,12 +101,16 @@ if triton is not None:
 
 BLOCK = 2048
 """Vocabulary entries per inner iteration."""
+MAX_CHUNKS = 32
+"""Most programs per row. The chunk count is a run-time argument of both kernels (this bound is the merge's
+compile-time width), so a new batch size launches the compiled kernels instead of compiling new ones: the
+prefill of an RL step samples at row counts it has not seen."""
 
 
 def num_chunks(rows: int, vocab: int, device: torch.device) -> int:
     """Programs per row: enough for about four per SM over the batch, each at least a few blocks long."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(-(-vocab // (4 * BLOCK)), -(-4 * sms // max(1, rows))))
+    return max(1, min(MAX_CHUNKS, -(-vocab // (4 * BLOCK)), -(-4 * sms // max(1, rows))))
 
 
 def sample_rows(
@@ -134,7 +138,7 @@ def sample_rows(
         vocab_hash = torch.zeros(1, dtype=torch.int32, device=logits.device)
     _chunk_kernel[(rows, chunks)](
         logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
-        NUM_CHUNKS=chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
+        chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
     )  # fmt: skip
-    _merge_kernel[(rows,)](part, tokens, logprobs, NUM_CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks))
+    _merge_kernel[(rows,)](part, tokens, logprobs, chunks, MAX_CHUNKS=MAX_CHUNKS)
     return tokens, logprobs
