@@ -30,6 +30,7 @@ import torch
 
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
+from slipstream.ops import decode_attention as decode_attention_op
 from slipstream.perf.mfu import lookup_device
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.kv_cache import kv_bytes_per_token
@@ -233,6 +234,10 @@ def bench_rollout(
         log(f"[rollout] {preset} engine ({kernel} decode attention) ready in {warmup_s:.1f} s (weights, compile, warm-up)")
         settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
                     "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+        if kernel == "triton" and dev.type == "cuda":  # the launch (environment overrides included) the row ran with
+            settings.update(
+                decode_launch=dict(decode_attention_op.LAUNCH), programs_per_sm=decode_attention_op.PROGRAMS_PER_SM
+            )
         label = "slipstream" if len(decode_attention) == 1 else f"slipstream-{kernel}"
         for case in cases:
             bound = bound_tok_per_s(cfg, case, bandwidth) if bandwidth else None
