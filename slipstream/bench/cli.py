@@ -98,6 +98,8 @@ def add_rollout_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="write rows + environment as JSON here")
     p.add_argument("--profile", default=None, help="profile one more call of the first case; kernel table to this file")
+    p.add_argument("--profile-first", action="store_true",
+                   help="with --profile: profile the first call itself (new shapes; its row is marked profiled)")  # fmt: skip
     p.set_defaults(func=_run_rollout)
 
 

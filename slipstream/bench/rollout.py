@@ -202,6 +202,7 @@ def bench_rollout(
     cuda_graphs: bool | None = None,
     gpu_memory_fraction: float = 0.6,
     profile: str | None = None,
+    profile_first: bool = False,
     decode_attention: tuple[str, ...] = ("triton",),
     peer_batches: tuple[int, ...] | None = None,
     log=print,
@@ -242,7 +243,12 @@ def bench_rollout(
         for case in cases:
             bound = bound_tok_per_s(cfg, case, bandwidth) if bandwidth else None
             for call in ("first", "repeat"):
-                r = run_builtin(engine, case, sampling, key_base=1000 * len(rows))
+                run = lambda e=engine, c=case: run_builtin(e, c, sampling, key_base=1000 * len(rows))  # noqa: E731
+                if profile and profile_first and call == "first" and case is cases[0]:
+                    r = _profiled(run, dev, profile.replace(".txt", f"-{kernel}-first.txt"))
+                    r["profiled"] = True  # its time includes the profiler's overhead
+                else:
+                    r = run()
                 r.update(engine=label, preset=preset, case=case.name, call=call, samples=case.num_samples,
                          bound_tok_per_s=bound, bound_frac=(r["tok_per_s"] / bound) if bound else None,
                          startup_s=warmup_s + r["capture_s"], settings=settings)  # fmt: skip
@@ -250,8 +256,9 @@ def bench_rollout(
                 log(_line(r))
                 if on_row:
                     on_row(rows)
-            if profile and case is cases[0]:
-                _profile(engine, case, sampling, profile.replace(".txt", f"-{kernel}.txt"))
+            if profile and not profile_first and case is cases[0]:
+                extra = lambda e=engine, c=case: run_builtin(e, c, sampling, key_base=10**6)  # noqa: E731
+                _profiled(extra, dev, profile.replace(".txt", f"-{kernel}.txt"))
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -264,17 +271,20 @@ def bench_rollout(
     return rows
 
 
-def _profile(engine, case: RolloutCase, sampling: SamplingParams, path: str) -> None:
-    """One more call of `case` under torch.profiler: the kernels by total device time, as a text table."""
+def _profiled(fn, device: torch.device, path: str):
+    """fn() under torch.profiler; writes its kernels by total device time and its host operations by own host
+    time (allocations, compiles and launches outside the graphs show there) as text tables; returns fn()."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        run_builtin(engine, case, sampling, key_base=10**6)
-    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+        result = fn()
+    table = lambda sort: prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)  # noqa: E731
+    device_table = table("cuda_time_total") + "\n\n" if device.type == "cuda" else ""
+    Path(path).write_text(device_table + table("self_cpu_time_total"))
+    return result
 
 
 def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, peer: str, log):
@@ -333,7 +343,7 @@ def run_rollout_command(args) -> int:
         rows = bench_rollout(
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),
             device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
-            cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile,
+            cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile, profile_first=args.profile_first,
             decode_attention=tuple(args.decode_attention.split(",")),
             peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None, on_row=write,
         )  # fmt: skip
