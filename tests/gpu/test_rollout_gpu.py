@@ -7,6 +7,7 @@ is below GAP (bf16 GEMMs of different batch shapes round differently); elsewhere
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -86,6 +87,27 @@ def _top2_gap(model: Transformer, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def behaviour_logprob_errors(out, model: Transformer) -> tuple[float, float]:
+    """Mean |behaviour log-prob - fp32 forward's| over the sampled tokens of `out`, and the same for `model`'s
+    own (bf16) training forward: the rollout's error and the trainer's, against the same truth."""
+    exact = copy.deepcopy(model).float()
+    rollout, trainer = [], []
+    for group in out:
+        for s in group:
+            seq = list(s.prompt_ids) + list(s.response_ids)
+            x = torch.tensor(seq, device=model.embed_tokens.weight.device)
+            cu = torch.tensor([0, len(seq)], dtype=torch.int32, device=x.device)
+            lps = []
+            with torch.no_grad():
+                for m in (exact, model):
+                    logits = mm_fp32(m(x, torch.arange(len(seq), device=x.device), cu, len(seq)), m.lm_head_weight.t())
+                    picked = logits[len(s.prompt_ids) - 1 : -1].log_softmax(-1).gather(-1, x[len(s.prompt_ids) :, None])
+                    lps.append(picked[:, 0].cpu())
+            rollout.append((torch.tensor(s.behav_logprobs) - lps[0]).abs())
+            trainer.append((lps[1] - lps[0]).abs())
+    return float(torch.cat(rollout).mean()), float(torch.cat(trainer).mean())
+
+
 def _check_greedy_agreement(fast_out, ref_out, ref_model, gap_limit: float = GAP) -> dict:
     """Samples identical end to end, and the reference's top-2 gaps where the others first part."""
     agree, gaps = 0, []
@@ -112,21 +134,14 @@ def test_fast_path_greedy_matches_eager_reference():
     # 1e-2 between kernels, so near-ties part often (measured on the H200: 21 of 64 samples identical end to
     # end, the others parted where the fp32 top-2 gap was <= 0.051); the limit is 2x that
     _check_greedy_agreement(fast_out, ref_out, ref.model, gap_limit=0.1)
-    # sampled: behaviour log-probs of the two paths on the same tokens stay close
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=32, n=2)
-    out = fast.generate(prompts[:16], sampling)
-    diffs = []
-    for group in out:
-        for s in group:
-            seq = list(s.prompt_ids) + list(s.response_ids)
-            x = torch.tensor(seq, device="cuda")
-            cu = torch.tensor([0, len(seq)], dtype=torch.int32, device="cuda")
-            with torch.no_grad():
-                logits = ref.model.logits(ref.model(x, torch.arange(len(seq), device="cuda"), cu, len(seq))).float()
-            lp = logits[len(s.prompt_ids) - 1 : -1].log_softmax(-1).gather(-1, x[len(s.prompt_ids):, None])[:, 0]
-            diffs.append((lp.cpu() - torch.tensor(s.behav_logprobs)).abs())
-    diffs = torch.cat(diffs)
-    assert float(diffs.mean()) < 1e-2, float(diffs.mean())
+    # sampled: the fast path's behaviour log-probs are as close to an fp32 forward as the bf16 trainer's are
+    out = fast.generate(prompts[:16], SamplingParams(temperature=1.0, max_new_tokens=32, n=2))
+    rollout_err, trainer_err = behaviour_logprob_errors(out, ref.model)
+    print(f"mean |log-prob - fp32 forward|: fast rollout {rollout_err:.4f}, bf16 trainer {trainer_err:.4f}")
+    # on these peaked random weights bf16 rounding alone moves log-probs by ~1e-2 (measured on the CPU in bf16:
+    # compiled rollout 0.0118, eager rollout 0.0138, bf16 trainer 0.0142; against the bf16 trainer the compiled
+    # rollout is 0.0149 off, the eager one 0.0085: closer to the trainer's roundings, not to the truth)
+    assert rollout_err <= 1.25 * trainer_err, (rollout_err, trainer_err)
 
 
 def test_graphs_follow_weight_updates_and_sleep():
