@@ -40,6 +40,10 @@ class Entry:
     """Whether rows(True) is a meaningful CPU-sized version (else --quick skips the entry with the reason)."""
     summary: Callable[[list[dict]], dict] | None = None
     """Ratios and headline figures computed from this results file's rows only."""
+    allocator: str | None = "expandable_segments:True"
+    """PYTORCH_CUDA_ALLOC_CONF of the rows' processes unless the caller set one; None: torch's default, as the
+    entry's own command gets when run alone (under expandable segments a large allocation inside a timed call, such
+    as a rollout's new KV cache, maps its memory there: 0.2-0.3 s more in the first rollout calls measured so)."""
 
 
 REGISTRY: dict[str, Entry] = {}

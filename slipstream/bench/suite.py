@@ -161,9 +161,10 @@ def run_row_in_child(entry: Entry, row: Row, quick: bool, timeout_s: float) -> d
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "slipstream.bench.suite", "--child", entry.name, row.name, str(out)]
     cmd += ["--quick"] if quick else []
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
-           # commands the row starts end by then, leaving the row time to write what they measured
-           "SLIPSTREAM_ROW_DEADLINE": str(time.time() + max(timeout_s - _ROW_MARGIN_S, timeout_s / 2))}  # fmt: skip
+    # commands the row starts end by then, leaving the row time to write what they measured
+    env = {**os.environ, "SLIPSTREAM_ROW_DEADLINE": str(time.time() + max(timeout_s - _ROW_MARGIN_S, timeout_s / 2))}
+    if entry.allocator is not None:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", entry.allocator)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -179,7 +180,7 @@ def run_row_in_child(entry: Entry, row: Row, quick: bool, timeout_s: float) -> d
                 "wall_s": time.perf_counter() - start}  # fmt: skip
     result = json.loads(out.read_text())
     out.unlink()
-    return {**result, "wall_s": time.perf_counter() - start}
+    return {**result, "wall_s": time.perf_counter() - start, "cuda_alloc_conf": env.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 def _find_row(entry: Entry, name: str, quick: bool) -> Row:

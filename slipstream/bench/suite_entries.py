@@ -690,7 +690,8 @@ register(Entry("multi-gpu", "FSDP2 weak scaling, 8B sharded, Megatron TP=2 vs FS
 register(Entry("demo", "the README demo (GRPO on sum-mod10, tiny model): reward trend and step time", demo_rows,
                device="any"))  # fmt: skip
 register(Entry("rollout", "the builtin rollout engine against the memory-bandwidth bound: fixed shape (with "
-               "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows))  # fmt: skip
+               "transformers' generate), W1's budgets, nano-vllm's workload", rollout_rows,
+               allocator=None))  # fmt: skip
 register(Entry("rl-step-w1", "the W1-shaped RL step on one GPU (rollout + reward + train + weight sync): sync (with "
                "and without the engine's sleep) and async (max_staleness 1); slipstream vs TRL's GRPOTrainer on a fixed "
                "512-token budget", rl_step_w1_rows,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -102,11 +103,17 @@ def test_quick_w1_writes_one_file_with_like_for_like_ratios_and_resumes(tmp_path
     assert suite.run_suite_command(_args("--quick", "--only", "w1/trl-ckpt", "--resume", "--out", str(tmp_path))) == 2
 
 
-def test_a_row_runs_in_a_fresh_process():
+def test_a_row_runs_in_a_fresh_process(monkeypatch):
     # On a GPU every row runs in its own process (a fresh CUDA context); the same path, CPU-sized.
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     entry = suite._registry()["plan-balance"]
     row = suite.run_row_in_child(entry, entry.rows(False)[1], quick=False, timeout_s=120)
     assert row["status"] == "ok" and row["row"] == "w1-8b-16k" and row["plans"][0]["micro_batches_per_rank"] == 10
+    assert row["cuda_alloc_conf"] == "expandable_segments:True"  # the training entries' allocator
+    # an entry that asks for torch's default allocator (the rollout's, as its command alone gets) runs without it
+    plain = dataclasses.replace(entry, allocator=None)
+    assert suite.run_row_in_child(plain, plain.rows(False)[1], quick=False, timeout_s=120)["cuda_alloc_conf"] is None
+    assert suite._registry()["rollout"].allocator is None
 
 
 def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
