@@ -93,6 +93,9 @@ def add_rollout_parser(sub) -> None:
     p.add_argument("--decode-attention", default="triton",
                    help="comma-separated decode kernels to compare in one run: triton, flash (default triton)")
     p.add_argument("--peer-batch", default=None, help="comma-separated batch sizes the peer runs (default: all)")
+    p.add_argument("--decode-launch", default=None,
+                   help="the Triton decode kernel's launch, block_n,num_warps,num_stages[,heads_first] (default: "
+                   "ops/decode_attention.py:LAUNCH)")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
     p.add_argument("--device", default=None)

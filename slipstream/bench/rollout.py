@@ -339,6 +339,8 @@ def run_rollout_command(args) -> int:
 
     env = env_info()
     try:
+        if args.decode_launch:
+            decode_attention_op.set_launch(args.decode_launch)
         batches = tuple(int(b) for b in args.batch.split(","))
         rows = bench_rollout(
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),

@@ -383,7 +383,8 @@ def rl_step_rows(quick: bool) -> list[Row]:
 def rollout_rows(quick: bool) -> list[Row]:
     """`slipstream bench rollout`: the builtin engine against the memory-bandwidth bound on the fixed shape
     (qwen3-1.7b, 512 + 512 tokens, batch 64 and 256, Triton and FlashAttention decode), with transformers'
-    generate at batch 256; W1's budgets; nano-vllm's workload on qwen3-0.6b. First and repeated calls."""
+    generate at batch 256; W1's budgets; nano-vllm's workload on qwen3-0.6b (also with a 4-stage decode launch)
+    and qwen3-1.7b. First and repeated calls."""
     base = ["-m", "slipstream.cli", "bench", "rollout"]
     if quick:  # the tiny preset on the CPU, eager: the plumbing
         tiny = [*base, "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs"]
@@ -393,6 +394,9 @@ def rollout_rows(quick: bool) -> list[Row]:
         "fixed-qwen3-1.7b": (["--decode-attention", "triton,flash", "--peer", "hf", "--peer-batch", "256"], 420),
         "w1-qwen3-1.7b": (["--workload", "w1"], 120),
         "nanovllm-qwen3-0.6b": (["--workload", "nanovllm", "--preset", "qwen3-0.6b"], 90),
+        # the decode kernel with 4 pipeline stages (faster on big batches in the launch sweep), against the default
+        "nanovllm-qwen3-0.6b-stages-4": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
+                                          "64,4,4,1"], 90),  # fmt: skip
         "nanovllm-qwen3-1.7b": (["--workload", "nanovllm"], 120),
     }
     return [Row(n, lambda a=a, t=t: command_row([*base, *a, "--out"], out_json=True, timeout_s=3 * t), t)

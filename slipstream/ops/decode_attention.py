@@ -36,8 +36,18 @@ order, so the GPU runs them together and they read the cache rows, which interle
 one stream; 0: neighbours are sequences of the same head). Chosen by `bench/bench_decode_attention.py`
 on the H200; see docs/benchmarks.md. The environment variable
 SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first]" overrides it."""
+
+
+def set_launch(text: str) -> None:
+    """Set the leading keys of LAUNCH from "block_n,num_warps,num_stages[,heads_first]"."""
+    values = [int(v) for v in text.split(",")]
+    if not 3 <= len(values) <= len(LAUNCH):
+        raise ValueError(f"a decode launch is {','.join(LAUNCH)} (the last optional); got {text!r}")
+    LAUNCH.update(zip(LAUNCH, values))
+
+
 if os.environ.get("SLIPSTREAM_DECODE_LAUNCH"):
-    LAUNCH.update(zip(LAUNCH, (int(v) for v in os.environ["SLIPSTREAM_DECODE_LAUNCH"].split(","))))
+    set_launch(os.environ["SLIPSTREAM_DECODE_LAUNCH"])
 
 
 def available() -> bool:

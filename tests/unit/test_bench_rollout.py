@@ -1,0 +1,61 @@
+"""`slipstream bench rollout`: the workloads, the bandwidth bound, and the decode-launch override."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slipstream.bench.rollout import RolloutCase, bound_tok_per_s, nanovllm_case, w1_case
+from slipstream.models.presets import get_preset
+from slipstream.models.transformer import Transformer
+from slipstream.ops import decode_attention
+from slipstream.rollout.kv_cache import kv_bytes_per_token
+
+
+def test_nanovllm_case_draws_nano_vllms_requests():
+    case = nanovllm_case()
+    assert len(case.prompts) == 256 and case.num_samples == 256
+    assert case.response_tokens == 133_966  # the total nano-vllm's bench.py generates with random.seed(0)
+    assert all(100 <= len(p) <= 1024 and 0 <= min(p) and max(p) <= 10_000 for p in case.prompts)
+    assert all(100 <= b <= 1024 for (b,) in case.budgets)
+
+
+def test_w1_case_has_w1s_budgets():
+    case = w1_case()
+    budgets = sorted(b for group in case.budgets for b in group)
+    assert case.num_samples == 64 and budgets[0] == 256 and budgets[-1] == 3584
+    assert {len(p) for p in case.prompts} == {512}
+
+
+def test_bound_is_the_step_by_step_byte_sum():
+    cfg = dataclasses.replace(get_preset("tiny"), num_layers=2)
+    case = RolloutCase("two", [[1] * 5, [2] * 9], [[3, 1], [4]])
+    weights = sum(p.numel() for p in Transformer(cfg).parameters()) * 2  # bf16
+    kv = kv_bytes_per_token(cfg, torch.bfloat16)
+    # every step reads the weights once and, for each sample still generating, its context so far
+    total = 0
+    for step in range(4):
+        live = [(len(p), r) for p, group in zip(case.prompts, case.budgets) for r in group if step < r]
+        total += weights + sum((prompt + step) * kv for prompt, _ in live)
+    bandwidth = 1e12
+    assert bound_tok_per_s(cfg, case, bandwidth) == pytest.approx(case.response_tokens / (total / bandwidth))
+
+
+def test_h200_bounds_of_the_nanovllm_workload_are_the_issues():
+    # the figures the rollout goals are stated against: 42.6k (qwen3-0.6b) and 37.0k tok/s (qwen3-1.7b)
+    case = nanovllm_case()
+    assert bound_tok_per_s(get_preset("qwen3-0.6b"), case, 4.8e12) == pytest.approx(42_600, rel=2e-3)
+    assert bound_tok_per_s(get_preset("qwen3-1.7b"), case, 4.8e12) == pytest.approx(37_000, rel=2e-3)
+
+
+def test_decode_launch_override(monkeypatch):
+    monkeypatch.setattr(decode_attention, "LAUNCH", dict(decode_attention.LAUNCH))
+    decode_attention.set_launch("128,8,3")
+    assert decode_attention.LAUNCH == {"block_n": 128, "num_warps": 8, "num_stages": 3, "heads_first": 1}
+    decode_attention.set_launch("64,4,4,0")
+    assert decode_attention.LAUNCH["num_stages"] == 4 and decode_attention.LAUNCH["heads_first"] == 0
+    for bad in ("64,4", "64,4,2,1,7", "64,four,2"):
+        with pytest.raises(ValueError):
+            decode_attention.set_launch(bad)
