@@ -5,9 +5,11 @@
 qwen3's vocabulary (151,936), temperature 0.6 without top-k / top-p (the rollout's default mode),
 rows 256 / 128 / 32 / 8 (a decode step's batch as an RL step's rows finish). Each variant reads the
 same logits; the logits' bytes over the time give the achieved bandwidth of one read (the torch
-path reads them three times). CUDA events, median of 50 after 10 warm-ups. Also the share of rows
-where the two variants draw the same token (the noise bits are equal; only the last ulp of the
-logs may differ).
+path reads them three times). Each variant is captured as 10 calls in one CUDA graph, as the decode
+step runs it (launched one by one from the host, the small cases time the launches instead:
+~240 us for either variant at 8 rows); CUDA events, median of 20 replays after 3 warm-ups, divided
+by 10. Also the share of rows where the two variants draw the same token (the noise bits are equal;
+only the last ulp of the logs may differ).
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ from slipstream.rollout.sampler import sample_tokens, vocab_hashes
 
 VOCAB = 151_936
 ROWS = (256, 128, 32, 8)
+
+
+CALLS_PER_GRAPH = 10
+
+
+def _graph_seconds(fn, device: torch.device) -> float:
+    """Seconds per call of fn() replayed from a CUDA graph of CALLS_PER_GRAPH calls."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiles and settles before the capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    return statistics.median(repeat_timed(graph.replay, device, repeats=20, warmup=3)[0]) / CALLS_PER_GRAPH
 
 
 def main() -> None:
@@ -46,7 +66,7 @@ def main() -> None:
         index = torch.randint(0, 1024, (rows,), device=dev, generator=gen)
         tokens = {}
         for name, fn in variants.items():
-            t = statistics.median(repeat_timed(lambda: fn(logits, seeds, index), dev, repeats=50, warmup=10)[0])
+            t = _graph_seconds(lambda: fn(logits, seeds, index), dev)
             tokens[name] = fn(logits, seeds, index)[0]
             rows_out.append({"rows": rows, "variant": name, "us": t * 1e6, "tb_per_s": logits.numel() * 4 / t / 1e12})
         same = float((tokens["torch-compiled"] == tokens["triton-one-pass"]).float().mean())

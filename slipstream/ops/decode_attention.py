@@ -33,9 +33,10 @@ LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 1}
 """Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, and
 the grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
 order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
-one stream; 0: neighbours are sequences of the same head). Chosen by `bench/bench_decode_attention.py`
-on the H200; see docs/benchmarks.md. The environment variable
-SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first]" overrides it."""
+one stream; 0: neighbours are sequences of the same head; heads first read ~4% faster on a 256-sequence
+batch). Chosen by `bench/bench_decode_attention.py` and nano-vllm's workload on the H200; see
+docs/benchmarks.md. The environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first]"
+(or `slipstream bench rollout --decode-launch`) overrides it."""
 
 
 def set_launch(text: str) -> None:
@@ -56,8 +57,9 @@ def available() -> bool:
 
 PROGRAMS_PER_SM = int(os.environ.get("SLIPSTREAM_DECODE_PROGRAMS_PER_SM", "8"))
 """Split programs per SM that `choose_splits` aims for (a batch with more (sequence, kv head) pairs than that
-runs one split). The environment variable SLIPSTREAM_DECODE_PROGRAMS_PER_SM overrides it
-(`bench/bench_decode_attention.py` sweeps the split count)."""
+runs one split). 8 rather than 2: nano-vllm's workload on the H200 ran 1.5% faster (its shrinking batches below
+~130 rows get more splits; docs/benchmarks.md). The environment variable SLIPSTREAM_DECODE_PROGRAMS_PER_SM
+overrides it (`bench/bench_decode_attention.py` sweeps the split count)."""
 
 
 def choose_splits(batch: int, kv_heads: int, device: torch.device) -> int:
