@@ -339,6 +339,8 @@ def run_rollout_command(args) -> int:
 
     env = env_info()
     try:
+        if args.profile_first and not args.profile:
+            raise ValueError("--profile-first needs --profile FILE")
         if args.decode_launch:
             decode_attention_op.set_launch(args.decode_launch)
         batches = tuple(int(b) for b in args.batch.split(","))

@@ -11,8 +11,9 @@ vocabulary once, keeping an online logsumexp (running max m and sum l) and the b
 its token and its scaled logit; a second small kernel merges the chunks of each row. Greedy rows
 (`NOISE=False`) take the plain argmax and the log-prob at temperature 1, as `sample_tokens` does.
 
-The same function as `sample_tokens` up to rounding: the noise formula is the same bit for bit up to
-the final logs, the online logsumexp adds in another order (about 1e-7 relative). Ties go to the lowest
+The same function as `sample_tokens` up to rounding: the scaled logits and the noise bits are the same
+bit for bit, the logs may differ in the last ulp and the online logsumexp adds in another order (about
+1e-7 relative). Logits of -inf (masked entries) are handled as torch handles them. Ties go to the lowest
 token id, as torch's argmax.
 """
 
@@ -56,9 +57,9 @@ if triton is not None:
         for v0 in range(lo, hi, BLOCK):
             v = v0 + tl.arange(0, BLOCK)
             valid = v < hi
-            x = tl.load(Logits + b * stride_lb + v, mask=valid, other=float("-inf"))
+            x = tl.load(Logits + b.to(tl.int64) * stride_lb + v, mask=valid, other=float("-inf"))
             if NOISE:
-                scaled = x / t
+                scaled = tl.div_rn(x, t)  # rounded as torch's division (plain `/` may be 2 ulp off)
                 bits = (_mix32(stream ^ tl.load(VocabHash + v, mask=valid, other=0)) >> 8) & 0xFFFFFF
                 u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
                 y = tl.where(valid, scaled - tl.log(-tl.log(u)), float("-inf"))
@@ -66,7 +67,8 @@ if triton is not None:
                 scaled = x
                 y = x
             m_new = tl.maximum(m, tl.max(scaled, 0))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), 0)  # noqa: E741
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of -inf so far: no inf - inf
+            l = l * tl.exp(m - shift) + tl.sum(tl.exp(scaled - shift), 0)  # noqa: E741
             m = m_new
             block_best = tl.max(y, 0)
             block_token = tl.argmax(y, 0)  # the first position of the maximum
@@ -91,6 +93,7 @@ if triton is not None:
         l = tl.load(part + 1, mask=used, other=0.0)  # noqa: E741
         best = tl.load(part + 2, mask=used, other=float("-inf"))
         top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
         lse = top + tl.log(tl.sum(tl.where(used, l * tl.exp(m - top), 0.0), 0))
         winner = tl.argmax(best, 0)  # the first chunk holding the maximum: the lowest token id
         token = tl.load(Part + (b * NUM_CHUNKS + winner) * 5 + 3)
@@ -133,9 +136,11 @@ def sample_rows(
     part = torch.empty((rows, chunks, 5), dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if greedy:  # unused pointers: any tensor of the right kind
-        seeds = token_index = torch.zeros(1, dtype=torch.int64, device=logits.device)
-        vocab_hash = torch.zeros(1, dtype=torch.int32, device=logits.device)
+    if greedy:  # unused pointers: any tensor of the right kind (empty: no memset in a captured step)
+        seeds = token_index = torch.empty(1, dtype=torch.int64, device=logits.device)
+        vocab_hash = torch.empty(1, dtype=torch.int32, device=logits.device)
+    elif vocab_hash.dtype != torch.int32 or not (seeds.is_contiguous() and token_index.is_contiguous()):
+        raise ValueError("sample_rows needs sampler.vocab_hashes' int32 vocab_hash and contiguous seeds / token_index")
     _chunk_kernel[(rows, chunks)](
         logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
         chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,

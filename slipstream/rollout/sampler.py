@@ -33,6 +33,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     wrap modulo 2**32 on every device torch runs on; the right shifts are made logical by masking the
     bits an arithmetic shift copies from the sign.
     """
+    if x.dtype != torch.int32:  # int64 products would not wrap at 32 bits: as_int32 first
+        raise TypeError(f"mix32 takes int32 bit patterns (see as_int32), got {x.dtype}")
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)

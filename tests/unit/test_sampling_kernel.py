@@ -30,6 +30,7 @@ def test_sample_rows_equals_sample_tokens(greedy, block, monkeypatch):
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(_DEVICE)
     logits[0, 17] = logits[0, 4000] = logits[0].max() + 1  # a tie across chunks: the lower id wins
+    logits[1, :1500] = float("-inf")  # masked entries filling whole blocks and a whole chunk: no NaN
     seeds = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 123456789], dtype=torch.int64, device=_DEVICE)
     index = torch.tensor([0, 3, 100, 4095, 1, 7], dtype=torch.int64, device=_DEVICE)
     temperature = torch.tensor(0.7, device=_DEVICE)
@@ -41,6 +42,7 @@ def test_sample_rows_equals_sample_tokens(greedy, block, monkeypatch):
     # the same noise bits; the final logs may round differently by an ulp: a change of token would need two noisy
     # values within ~1e-6 of each other (none here)
     assert tokens.tolist() == want_tokens.tolist()
+    assert torch.isfinite(logprobs).all()
     if greedy:
         assert tokens[0] == 17
     # the online logsumexp adds in another order: measured max |diff| ~1e-6 on logits of ~10
