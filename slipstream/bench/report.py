@@ -260,6 +260,21 @@ def write_matrix_report(results_jsonl: str | Path, out_dir: str | Path) -> dict[
 # ---------------------------------------------------------------- suite results files (suite.py)
 
 
+def _generation_text(x: dict) -> str:
+    """One `slipstream bench rollout` row: engine, case, call, tok/s and, where measured, bound and breakdown."""
+    parts = [f"{x.get('engine')} {x.get('case')} {x.get('call')}: {x['tok_per_s']:,.0f} tok/s"]
+    if x.get("bound_frac") is not None:
+        parts.append(f"{x['bound_frac']:.1%} of the bound")
+    if x.get("ms_per_decode_step") is not None:
+        parts.append(f"{x['time_s']:.2f} s, prefill {x['prefill_s']:.2f} s, "
+                     f"{x['ms_per_decode_step']:.2f} ms per decode step")  # fmt: skip
+    launch = (x.get("settings") or {}).get("decode_launch")
+    if launch and x.get("call") == "first":
+        parts.append("decode launch " + ",".join(str(v) for v in launch.values())
+                     + f", {x['settings'].get('programs_per_sm')} programs per SM")  # fmt: skip
+    return " (".join([parts[0], ", ".join(parts[1:])]) + ")" if len(parts) > 1 else parts[0]
+
+
 def suite_markdown(record: dict) -> str:
     """OUT/<entry>.md of a suite results file: where it ran, the rows (each with its settings), the summary."""
     lines = [
@@ -372,7 +387,10 @@ def _other_row_text(r: dict) -> str:
         return (f"{r['steps']} steps: reward/mean {r['reward_first10']:.3f} (first 10) -> {r['reward_last10']:.3f} "
                 f"(last 10); step time median {r['step_time_median_s']:.3f} s, mean {r['step_time_mean_s']:.3f} s")  # fmt: skip
     if kind == "command":
-        return f"ok: `{r['command']}` (output and data in the JSON)"
+        measured = [x for x in (r.get("data") or {}).get("rows", []) if isinstance(x, dict) and "tok_per_s" in x]
+        if not measured:
+            return f"ok: `{r['command']}` (output and data in the JSON)"
+        return f"ok: `{r['command']}`; " + "; ".join(_generation_text(x) for x in measured)
     if kind == "rl_run":
         return (f"{r['steps_timed']} timed steps: step time median {r['step_time_median_s']:.3f} s, "
                 f"{r['samples_per_hour']:,.0f} samples/h, trainer wait {_fmt(r['trainer_wait_ratio'], '.1%')}, "

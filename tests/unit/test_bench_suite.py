@@ -120,6 +120,8 @@ def test_quick_rollout_and_rl_step_w1_run_and_say_which_loop_ran(tmp_path):
     assert suite.run_suite_command(_args("--quick", "--only", "rollout", "rl-step-w1", "--out", str(tmp_path))) == 0
     (fixed,) = json.loads((tmp_path / "rollout.json").read_text())["rows"]
     assert fixed["status"] == "ok" and {r["engine"] for r in fixed["data"]["rows"]} == {"slipstream"}
+    first = next(r for r in fixed["data"]["rows"] if r["call"] == "first")
+    assert f"slipstream {first['case']} first: {first['tok_per_s']:,.0f} tok/s" in (tmp_path / "rollout.md").read_text()
     record = json.loads((tmp_path / "rl-step-w1.json").read_text())
     rows = {r["row"]: r for r in record["rows"]}
     assert set(rows) == {"sync", "sync-awake", "async-staleness-1", "async-staleness-1-shared-stream",
