@@ -62,9 +62,14 @@ runs one split). 8 rather than 2: nano-vllm's workload on the H200 ran 1.5% fast
 overrides it (`bench/bench_decode_attention.py` sweeps the split count)."""
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; an H100/H200's 132 elsewhere (the interpreter, CPU tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def choose_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """Enough programs to give every SM about `PROGRAMS_PER_SM`, at most 16 splits of a sequence."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = sm_count(device)
     return max(1, min(16, math.ceil(PROGRAMS_PER_SM * sms / max(1, batch * kv_heads))))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.ops.decode_attention import available, triton
+from slipstream.ops.decode_attention import available, sm_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -112,8 +112,7 @@ prefill of an RL step samples at row counts it has not seen."""
 
 def num_chunks(rows: int, vocab: int, device: torch.device) -> int:
     """Programs per row: enough for about four per SM over the batch, each at least a few blocks long."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(MAX_CHUNKS, -(-vocab // (4 * BLOCK)), -(-4 * sms // max(1, rows))))
+    return max(1, min(MAX_CHUNKS, -(-vocab // (4 * BLOCK)), -(-4 * sm_count(device) // max(1, rows))))
 
 
 def sample_rows(
