@@ -46,13 +46,23 @@ def _pre_attention(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, sin, k_cac
     return q
 
 
+def _residual_add(h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """h + branch, rounded as the trainer's add (the sum of the two in fp32, rounded once to h's dtype).
+
+    Spelled with explicit fp32 casts so that inductor does not fold the add into the branch's GEMM as
+    addmm(h, ...): cuBLAS's beta = 1 first copies h into the output (two device-to-device copies per layer
+    and decode step) and adds the unrounded product, which the trainer never sees. As a plain add it fuses
+    into the norm kernel that reads the sum next. In fp32 the casts are no-ops and the fold happens."""
+    return (h.float() + branch.float()).to(h.dtype)
+
+
 def _post_attention(layer, gate_up_weight, next_norm, h: torch.Tensor, attn: torch.Tensor):
     """Residual stream (T, H) after one layer, from its input and its attention output (T, Hq, D), and that
     stream through `next_norm` (the next layer's input norm, or the final norm after the last layer): under
-    compile the last residual add and the next norm are one kernel."""
-    h = h + layer.self_attn.o_proj(attn.flatten(-2))
+    compile each residual add and the norm after it are one kernel."""
+    h = _residual_add(h, layer.self_attn.o_proj(attn.flatten(-2)))
     gate, up = F.linear(layer.post_attention_layernorm(h), gate_up_weight).chunk(2, dim=-1)
-    h = h + layer.mlp.combine(gate, up)
+    h = _residual_add(h, layer.mlp.combine(gate, up))
     return h, next_norm(h)
 
 

@@ -464,3 +464,29 @@ def test_compiled_layers_write_the_cache_and_compile_once_for_every_layer():
     # measured max |diff| 4.8e-07 (fp32, inductor's fused reductions); 10x margin
     diff = max(abs(a - b) for (_, x), (_, y) in zip(compiled, eager) for a, b in zip(x, y))
     assert diff < 5e-6
+
+
+def test_compiled_residual_adds_are_not_folded_into_the_projection_gemms():
+    # bf16: the rollout's residual add rounds as the trainer's `x + branch` (bit for bit), and under compile it
+    # stays a pointwise add fused into the next norm; folded into the o_proj / down GEMMs as addmm (inductor's
+    # default for `h + mm`), cuBLAS would copy h into the output first and add the unrounded product
+    from torch._inductor.utils import run_and_get_code
+
+    from slipstream.rollout.model_runner import _post_attention, _residual_add, fuse_projections
+
+    gen = torch.Generator().manual_seed(0)
+    h, branch = (torch.randn(64, 96, generator=gen).to(torch.bfloat16) * s for s in (3.0, 0.01))
+    assert torch.equal(_residual_add(h, branch), h + branch)
+    assert not torch.equal(_residual_add(h, branch), h)  # the branch is not lost to rounding
+
+    torch._dynamo.reset()
+    model = _weights().to(torch.bfloat16)
+    gate_up = fuse_projections(model)[0][2]
+    x = torch.randn(7, CFG.hidden_size, generator=gen).to(torch.bfloat16)
+    attn = torch.randn(7, CFG.num_heads, CFG.head_dim, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        _, code = run_and_get_code(
+            torch.compile(_post_attention, dynamic=True), model.layers[0], gate_up, model.layers[1].input_layernorm, x, attn
+        )
+    source = "\n".join(code)
+    assert source.count("extern_kernels.mm(") == 3 and "addmm" not in source  # o_proj, gate/up, down
