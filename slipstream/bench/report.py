@@ -262,12 +262,16 @@ def write_matrix_report(results_jsonl: str | Path, out_dir: str | Path) -> dict[
 
 def _generation_text(x: dict) -> str:
     """One `slipstream bench rollout` row: engine, case, call, tok/s and, where measured, bound and breakdown."""
+    from slipstream.bench.rollout import decode_idle
+
     parts = [f"{x.get('engine')} {x.get('case')} {x.get('call')}: {x['tok_per_s']:,.0f} tok/s"]
     if x.get("bound_frac") is not None:
         parts.append(f"{x['bound_frac']:.1%} of the bound")
     if x.get("ms_per_decode_step") is not None:
         parts.append(f"{x['time_s']:.2f} s, prefill {x['prefill_s']:.2f} s, "
                      f"{x['ms_per_decode_step']:.2f} ms per decode step")  # fmt: skip
+    if decode_idle(x) is not None:
+        parts.append(f"device idle {decode_idle(x):.1%} of the decode")
     launch = (x.get("settings") or {}).get("decode_launch")
     if launch and x.get("call") == "first":
         parts.append("decode launch " + ",".join(str(v) for v in launch.values())

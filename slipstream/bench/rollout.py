@@ -145,6 +145,8 @@ def run_builtin(engine, case: RolloutCase, sampling: SamplingParams, key_base: i
         "decode_s": stats.decode_s,
         "decode_steps": stats.decode_steps,
         "ms_per_decode_step": 1e3 * stats.decode_s / max(stats.decode_steps, 1),
+        # device time of the replayed decode steps; decode_s less this is the device waiting for the host
+        "decode_device_s": stats.decode_device_s if engine.runner.cuda_graphs else None,
         "mean_rows_per_step": stats.decode_row_steps / max(stats.decode_steps, 1),
         "cache_reallocated": engine_core is not engine.core,
         "peak_memory_gib": _peak_gib(device),
@@ -318,9 +320,18 @@ def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, pe
                 yield r
 
 
+def decode_idle(row: dict) -> float | None:
+    """Share of a rollout row's decode wall time in which the device had no decode step to run (it waited for
+    the host's look at the tokens every ring, slot reuse and launches); None where not measured."""
+    if row.get("decode_device_s") is None or not row.get("decode_s"):
+        return None
+    return max(0.0, 1.0 - row["decode_device_s"] / row["decode_s"])
+
+
 def _line(r: dict) -> str:
     bound = f", {r['bound_frac']:.1%} of bound" if r.get("bound_frac") else ""
     step = f", {r['ms_per_decode_step']:.2f} ms/step" if "ms_per_decode_step" in r else ""
+    step += f", device idle {decode_idle(r):.1%} of the decode" if decode_idle(r) is not None else ""
     return (f"[rollout] {r['engine']:<18} {r['case']:<24} {r['call']:<6} {r['tok_per_s']:>9,.0f} tok/s "
             f"({r['time_s']:.2f} s{step}{bound})")  # fmt: skip
 
@@ -363,14 +374,15 @@ def print_rollout_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="rollout")
-    cols = ("engine", "case", "call", "tok/s", "s", "ms/step", "prefill s", "bound", "of bound", "startup s", "GiB")
+    cols = ("engine", "case", "call", "tok/s", "s", "ms/step", "prefill s", "decode idle", "bound", "of bound",
+            "startup s", "GiB")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in ("engine", "case", "call") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         table.add_row(
             r["engine"], r["case"], r["call"], f"{r['tok_per_s']:,.0f}", f"{r['time_s']:.2f}",
-            fmt(r.get("ms_per_decode_step"), ".2f"), fmt(r.get("prefill_s"), ".2f"),
+            fmt(r.get("ms_per_decode_step"), ".2f"), fmt(r.get("prefill_s"), ".2f"), fmt(decode_idle(r), ".1%"),
             fmt(r.get("bound_tok_per_s"), ",.0f"), fmt(r.get("bound_frac"), ".1%"), fmt(r.get("startup_s"), ".1f"),
             fmt(r.get("peak_memory_gib"), ".1f"),
         )  # fmt: skip

@@ -78,6 +78,9 @@ class EngineStats:
     """Decode steps run (each advances every row of the batch by one token)."""
     decode_row_steps: int = 0
     """Sum over decode steps of the rows that were live at the step's start."""
+    decode_device_s: float = 0.0
+    """Device time of the decode steps replayed from CUDA graphs (CUDA events; 0 without graphs): decode_s less
+    this is where the device waited for the host."""
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -264,6 +267,7 @@ class EngineCore:
         self.stats.decode_steps += steps
         self.stats.decode_row_steps += steps * len(rows)
         tokens, logprobs = self.state.read(len(rows), steps)
+        self.stats.decode_device_s += self.runner.take_replay_seconds()
         return self._append(rows, tokens, logprobs)
 
     def _append(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Sequence]:

@@ -156,6 +156,7 @@ class ModelRunner:
         self._pool = None
         self.capture_s = 0.0
         """Seconds spent capturing decode graphs (with their warm-up runs, which compile new shapes)."""
+        self._replay_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -228,8 +229,20 @@ class ModelRunner:
         graph = self.graphs.get((batch, mode))
         if graph is None:
             graph = self._capture(cache, state, batch, mode)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for _ in range(steps):
             graph.replay()
+        end.record()
+        self._replay_spans.append((start, end))
+
+    def take_replay_seconds(self) -> float:
+        """Device seconds from the first to the last graph replay of each `run_decode` since the last call
+        (0 without graphs). The decode's wall time less this is the time the device waited for the host (its
+        looks at the tokens every ring, slot reuse, launches). Call once the host has waited for those
+        replays (reading their tokens does)."""
+        spans, self._replay_spans = self._replay_spans, []
+        return sum(start.elapsed_time(end) for start, end in spans) / 1e3
 
     def _capture(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple) -> torch.cuda.CUDAGraph:
         """Capture one decode step of `batch` rows. The warm-up runs on a copy of the live state, so

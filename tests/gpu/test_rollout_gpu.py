@@ -130,6 +130,8 @@ def test_fast_path_greedy_matches_eager_reference():
     fast = _engine(True, max_batch_size=32)  # 64 samples through 32 slots: continuous batching
     ref = _engine(False, max_batch_size=64)
     fast_out, ref_out = fast.generate(prompts, greedy), ref.generate(prompts, greedy)
+    stats = fast.core.stats  # the replays' device time (CUDA events) lies inside the decode's wall time
+    assert 0 < stats.decode_device_s <= stats.decode_s, (stats.decode_device_s, stats.decode_s)
     # random weights scaled x3 give logits of ~10: bf16 rounding of the hidden states moves them by a few
     # 1e-2 between kernels, so near-ties part often (measured on the H200: 21 of 64 samples identical end to
     # end, the others parted where the fp32 top-2 gap was <= 0.051); the limit is 2x that

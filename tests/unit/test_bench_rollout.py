@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from slipstream.bench.rollout import RolloutCase, bound_tok_per_s, nanovllm_case, w1_case
+from slipstream.bench.rollout import RolloutCase, bound_tok_per_s, decode_idle, nanovllm_case, w1_case
 from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.ops import decode_attention
@@ -59,3 +59,9 @@ def test_decode_launch_override(monkeypatch):
     for bad in ("64,4", "64,4,2,1,7", "64,four,2"):
         with pytest.raises(ValueError):
             decode_attention.set_launch(bad)
+
+
+def test_decode_idle_is_the_decode_wall_time_without_device_work():
+    assert decode_idle({"decode_s": 5.0, "decode_device_s": 4.5}) == pytest.approx(0.1)
+    assert decode_idle({"decode_s": 5.0, "decode_device_s": None}) is None  # no CUDA graphs: not measured
+    assert decode_idle({"decode_s": 0.0, "decode_device_s": 0.0}) is None
