@@ -96,6 +96,8 @@ def add_rollout_parser(sub) -> None:
     p.add_argument("--decode-launch", default=None,
                    help="the Triton decode kernel's launch, block_n,num_warps,num_stages[,heads_first] (default: "
                    "ops/decode_attention.py:LAUNCH)")  # fmt: skip
+    p.add_argument("--steps-per-sync", type=int, default=16,
+                   help="decode steps between two looks of the host at the tokens (rollout.decode_steps_per_sync)")
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch every decode step from the host")
     p.add_argument("--device", default=None)

@@ -207,6 +207,7 @@ def bench_rollout(
     profile_first: bool = False,
     decode_attention: tuple[str, ...] = ("triton",),
     peer_batches: tuple[int, ...] | None = None,
+    steps_per_sync: int = 16,
     log=print,
     on_row=None,
 ) -> list[dict]:
@@ -229,14 +230,15 @@ def bench_rollout(
         start = time.perf_counter()
         engine = BuiltinRollout(
             cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
-            gpu_memory_fraction=gpu_memory_fraction, decode_attention=kernel,
+            gpu_memory_fraction=gpu_memory_fraction, decode_attention=kernel, decode_steps_per_sync=steps_per_sync,
         )  # fmt: skip
         engine.warmup(sampling)
         _sync(dev)
         warmup_s = time.perf_counter() - start
         log(f"[rollout] {preset} engine ({kernel} decode attention) ready in {warmup_s:.1f} s (weights, compile, warm-up)")
         settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
-                    "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+                    "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch."),
+                    "decode_steps_per_sync": steps_per_sync}  # fmt: skip
         if kernel == "triton" and dev.type == "cuda":  # the launch (environment overrides included) the row ran with
             settings.update(
                 decode_launch=dict(decode_attention_op.LAUNCH), programs_per_sm=decode_attention_op.PROGRAMS_PER_SM
@@ -352,6 +354,8 @@ def run_rollout_command(args) -> int:
     try:
         if args.profile_first and not args.profile:
             raise ValueError("--profile-first needs --profile FILE")
+        if args.steps_per_sync < 1:
+            raise ValueError(f"--steps-per-sync must be >= 1, got {args.steps_per_sync}")
         if args.decode_launch:
             decode_attention_op.set_launch(args.decode_launch)
         batches = tuple(int(b) for b in args.batch.split(","))
@@ -360,7 +364,8 @@ def run_rollout_command(args) -> int:
             device=args.device, temperature=args.temperature, compile=False if args.no_compile else None,
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile, profile_first=args.profile_first,
             decode_attention=tuple(args.decode_attention.split(",")),
-            peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None, on_row=write,
+            peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
+            steps_per_sync=args.steps_per_sync, on_row=write,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)
