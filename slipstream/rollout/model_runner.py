@@ -264,6 +264,9 @@ class ModelRunner:
         # producer thread captures; the default ("global") mode makes those calls fail the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.decode_step(cache, state, batch, mode)
+        # the first launch of an instantiated graph also uploads it to the device: do that here, on the
+        # scratch rows, so it is capture time and not the first decode step's
+        graph.replay()
         state.restore(saved)
         self.graphs[(batch, mode)] = graph
         torch.cuda.synchronize(self.device)
