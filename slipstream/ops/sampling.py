@@ -8,7 +8,8 @@ with the keyed Gumbel noise g of `rollout/sampler.py:gumbel_noise`. Compiled wit
 passes over the (B, V) logits (the max and the exp-sum of logsumexp, then the noisy argmax), and the
 noise hash runs in the third. Here one pass does all of it: each program reads a chunk of a row's
 vocabulary once, keeping an online logsumexp (running max m and sum l) and the best noisy value with
-its token and its scaled logit; a second small kernel merges the chunks of each row. Greedy rows
+its token and its scaled logit, per lane of its block (no cross-thread reduction inside the loop: the
+lanes are reduced once at the end); a second small kernel merges the chunks of each row. Greedy rows
 (`NOISE=False`) take the plain argmax and the log-prob at temperature 1, as `sample_tokens` does.
 
 The same function as `sample_tokens` up to rounding: the scaled logits and the noise bits are the same
@@ -49,11 +50,13 @@ if triton is not None:
             stream = _mix32(seed ^ _mix32(index))
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
-        m = tl.full((), float("-inf"), tl.float32)
-        l = tl.zeros((), tl.float32)  # noqa: E741
-        best = tl.full((), float("-inf"), tl.float32)
-        best_token = tl.zeros((), tl.int32)
-        best_scaled = tl.zeros((), tl.float32)
+        # per-lane state (lane j sees tokens lo + j, lo + j + BLOCK, ...), reduced across lanes once at the end:
+        # the loop itself has no cross-thread reduction
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)  # running max of the scaled logits
+        l = tl.zeros((BLOCK,), tl.float32)  # noqa: E741  running sum of exp(scaled - m)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)  # best noisy value, its token and its scaled logit
+        best_token = tl.zeros((BLOCK,), tl.int32)
+        best_scaled = tl.zeros((BLOCK,), tl.float32)
         for v0 in range(lo, hi, BLOCK):
             v = v0 + tl.arange(0, BLOCK)
             valid = v < hi
@@ -66,22 +69,30 @@ if triton is not None:
             else:
                 scaled = x
                 y = x
-            m_new = tl.maximum(m, tl.max(scaled, 0))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of -inf so far: no inf - inf
-            l = l * tl.exp(m - shift) + tl.sum(tl.exp(scaled - shift), 0)  # noqa: E741
+            # online logsumexp with one exp per entry: exp(-|scaled - m|) rescales the old sum when the entry is
+            # the new max, else it is the entry's own term; both -inf (nothing seen yet) adds 0, not NaN
+            m_new = tl.maximum(m, scaled)
+            e = tl.exp(tl.where(m_new == float("-inf"), float("-inf"), tl.minimum(m, scaled) - m_new))
+            l = tl.where(scaled > m, l * e + 1.0, l + e)  # noqa: E741
             m = m_new
-            block_best = tl.max(y, 0)
-            block_token = tl.argmax(y, 0)  # the first position of the maximum
-            if block_best > best:  # strictly: an equal value in a later block has a higher token id
-                best = block_best
-                best_token = v0 + block_token
-                best_scaled = tl.sum(tl.where(v == v0 + block_token, scaled, 0.0), 0)
+            take = y > best  # strictly: an equal value later in the lane has a higher token id
+            best = tl.where(take, y, best)
+            best_token = tl.where(take, v, best_token)
+            best_scaled = tl.where(take, scaled, best_scaled)
+        m_all = tl.max(m, 0)
+        shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l_all = tl.sum(l * tl.exp(m - shift), 0)  # lanes that saw only -inf hold l = 0
+        best_all = tl.max(best, 0)
+        # the lowest token among the lanes holding the maximum (torch's argmax takes the first)
+        token = tl.min(tl.where(best == best_all, best_token, 2147483647), 0)
+        picked = (best == best_all) & (best_token == token)
+        scaled_all = tl.max(tl.where(picked, best_scaled, float("-inf")), 0)
         part = Part + (b * NUM_CHUNKS + c) * 5
-        tl.store(part, m)
-        tl.store(part + 1, l)
-        tl.store(part + 2, best)
-        tl.store(part + 3, best_token.to(tl.float32))  # token ids < 2**24 are exact in fp32
-        tl.store(part + 4, best_scaled)
+        tl.store(part, m_all)
+        tl.store(part + 1, l_all)
+        tl.store(part + 2, best_all)
+        tl.store(part + 3, token.to(tl.float32))  # token ids < 2**24 are exact in fp32
+        tl.store(part + 4, scaled_all)
 
     @triton.jit(do_not_specialize=["NUM_CHUNKS"])
     def _merge_kernel(Part, Tokens, Logprobs, NUM_CHUNKS, MAX_CHUNKS: tl.constexpr):

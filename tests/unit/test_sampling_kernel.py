@@ -29,7 +29,9 @@ def test_sample_rows_equals_sample_tokens(greedy, block, monkeypatch):
     rows, vocab = 6, 5000
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(_DEVICE)
-    logits[0, 17] = logits[0, 4000] = logits[0].max() + 1  # a tie across chunks: the lower id wins
+    # a three-way tie: across chunks (block 256) or across lanes of one block (2048), and within one lane
+    # (17 + 2048): the lowest id wins
+    logits[0, 17] = logits[0, 4000] = logits[0, 2065] = logits[0].max() + 1
     logits[1, :1500] = float("-inf")  # masked entries filling whole blocks and a whole chunk: no NaN
     seeds = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 123456789], dtype=torch.int64, device=_DEVICE)
     index = torch.tensor([0, 3, 100, 4095, 1, 7], dtype=torch.int64, device=_DEVICE)
