@@ -20,6 +20,8 @@ token id, as torch's argmax.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from slipstream.ops.decode_attention import available, sm_count, triton
@@ -72,7 +74,8 @@ if triton is not None:
             # online logsumexp with one exp per entry: exp(-|scaled - m|) rescales the old sum when the entry is
             # the new max, else it is the entry's own term; both -inf (nothing seen yet) adds 0, not NaN
             m_new = tl.maximum(m, scaled)
-            e = tl.exp(tl.where(m_new == float("-inf"), float("-inf"), tl.minimum(m, scaled) - m_new))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            e = tl.exp(tl.minimum(m, scaled) - shift)
             l = tl.where(scaled > m, l * e + 1.0, l + e)  # noqa: E741
             m = m_new
             take = y > best  # strictly: an equal value later in the lane has a higher token id
@@ -80,8 +83,8 @@ if triton is not None:
             best_token = tl.where(take, v, best_token)
             best_scaled = tl.where(take, scaled, best_scaled)
         m_all = tl.max(m, 0)
-        shift = tl.where(m_all == float("-inf"), 0.0, m_all)
-        l_all = tl.sum(l * tl.exp(m - shift), 0)  # lanes that saw only -inf hold l = 0
+        top = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l_all = tl.sum(l * tl.exp(m - top), 0)  # lanes that saw only -inf hold l = 0
         best_all = tl.max(best, 0)
         # the lowest token among the lanes holding the maximum (torch's argmax takes the first)
         token = tl.min(tl.where(best == best_all, best_token, 2147483647), 0)
@@ -93,6 +96,71 @@ if triton is not None:
         tl.store(part + 2, best_all)
         tl.store(part + 3, token.to(tl.float32))  # token ids < 2**24 are exact in fp32
         tl.store(part + 4, scaled_all)
+
+    @triton.jit(do_not_specialize=["rows", "V", "K", "COLS", "NUM_CHUNKS"])
+    def _head_kernel(
+        H, W, Temperature, Seeds, TokenIndex, VocabHash, Part, rows, V, K, stride_h, stride_w, COLS, NUM_CHUNKS,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NOISE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """`_chunk_kernel` on logits it computes itself: each program multiplies BLOCK_M rows of the hidden
+        states by its slice of the LM head, tile by tile, and folds each fp32 tile into the rows' running
+        statistics; the logits never reach memory."""
+        pid_m = tl.program_id(0)
+        c = tl.program_id(1)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_ok = r < rows
+        if NOISE:
+            t = tl.load(Temperature)
+            seed = tl.load(Seeds + r, mask=r_ok, other=0).to(tl.int32)  # the low 32 bits, as sampler.as_int32
+            index = tl.load(TokenIndex + r, mask=r_ok, other=0).to(tl.int32)
+            stream = _mix32(seed ^ _mix32(index))
+        lo = c * COLS
+        hi = tl.minimum(lo + COLS, V)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)  # noqa: E741
+        best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        best_token = tl.zeros((BLOCK_M,), tl.int32)
+        best_scaled = tl.zeros((BLOCK_M,), tl.float32)
+        k = tl.arange(0, BLOCK_K)
+        h_rows = H + r.to(tl.int64)[:, None] * stride_h
+        for n0 in range(lo, hi, BLOCK_N):
+            v = n0 + tl.arange(0, BLOCK_N)
+            valid = v < hi
+            w_rows = W + v.to(tl.int64)[:, None] * stride_w
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = (k0 + k) < K
+                h = tl.load(h_rows + (k0 + k)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+            x = tl.where(valid[None, :], acc, float("-inf"))
+            if NOISE:
+                scaled = tl.div_rn(x, t)
+                hashes = tl.load(VocabHash + v, mask=valid, other=0)
+                bits = (_mix32(stream[:, None] ^ hashes[None, :]) >> 8) & 0xFFFFFF
+                u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                y = tl.where(valid[None, :], scaled - tl.log(-tl.log(u)), float("-inf"))
+            else:
+                scaled = x
+                y = x
+            m_new = tl.maximum(m, tl.max(scaled, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf while a row has seen only -inf
+            l = l * tl.exp(m - shift) + tl.sum(tl.exp(scaled - shift[:, None]), 1)  # noqa: E741
+            m = m_new
+            tile_best = tl.max(y, 1)
+            tile_token = n0 + tl.argmax(y, 1)  # the first position of the maximum
+            take = tile_best > best  # strictly: an equal value in a later tile has a higher token id
+            tile_scaled = tl.sum(tl.where(v[None, :] == tile_token[:, None], scaled, 0.0), 1)
+            best_scaled = tl.where(take, tile_scaled, best_scaled)
+            best = tl.where(take, tile_best, best)
+            best_token = tl.where(take, tile_token, best_token)
+        part = Part + (r.to(tl.int64) * NUM_CHUNKS + c) * 5
+        tl.store(part, m, mask=r_ok)
+        tl.store(part + 1, l, mask=r_ok)
+        tl.store(part + 2, best, mask=r_ok)
+        tl.store(part + 3, best_token.to(tl.float32), mask=r_ok)
+        tl.store(part + 4, best_scaled, mask=r_ok)
 
     @triton.jit(do_not_specialize=["NUM_CHUNKS"])
     def _merge_kernel(Part, Tokens, Logprobs, NUM_CHUNKS, MAX_CHUNKS: tl.constexpr):
@@ -126,6 +194,17 @@ def num_chunks(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(MAX_CHUNKS, -(-vocab // (4 * BLOCK)), -(-4 * sm_count(device) // max(1, rows))))
 
 
+def _kernel_keys(seeds, token_index, vocab_hash, greedy: bool, device: torch.device):
+    """The kernels' key pointers: checked, or for greedy rows (which draw no noise) any tensors of the right kind
+    (empty: no memset in a captured step)."""
+    if greedy:
+        unused = torch.empty(1, dtype=torch.int64, device=device)
+        return unused, unused, torch.empty(1, dtype=torch.int32, device=device)
+    if vocab_hash.dtype != torch.int32 or not (seeds.is_contiguous() and token_index.is_contiguous()):
+        raise ValueError("sampling kernels need sampler.vocab_hashes' int32 vocab_hash and contiguous seeds / token_index")
+    return seeds, token_index, vocab_hash
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -146,14 +225,66 @@ def sample_rows(
     part = torch.empty((rows, chunks, 5), dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if greedy:  # unused pointers: any tensor of the right kind (empty: no memset in a captured step)
-        seeds = token_index = torch.empty(1, dtype=torch.int64, device=logits.device)
-        vocab_hash = torch.empty(1, dtype=torch.int32, device=logits.device)
-    elif vocab_hash.dtype != torch.int32 or not (seeds.is_contiguous() and token_index.is_contiguous()):
-        raise ValueError("sample_rows needs sampler.vocab_hashes' int32 vocab_hash and contiguous seeds / token_index")
+    seeds, token_index, vocab_hash = _kernel_keys(seeds, token_index, vocab_hash, greedy, logits.device)
     _chunk_kernel[(rows, chunks)](
         logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
         chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
     )  # fmt: skip
     _merge_kernel[(rows,)](part, tokens, logprobs, chunks, MAX_CHUNKS=MAX_CHUNKS)
+    return tokens, logprobs
+
+
+HEAD_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+"""Launch of the fused LM-head sampling kernel: rows and vocabulary entries per tile, hidden entries per step
+of the matmul, warps, pipeline stages, and the programs per SM the vocabulary split aims for. Not yet tuned on
+a GPU (`python bench/bench_sampling.py` times it against the LM-head matmul + `sample_rows`)."""
+HEAD_MAX_SPLITS = 256
+"""Most vocabulary slices per row in the fused kernel (the merge's compile-time width for it)."""
+FUSED_HEAD = os.environ.get("SLIPSTREAM_FUSED_LM_HEAD", "0") == "1"
+"""Whether the model runner samples through `sample_hidden` (the fused kernel) instead of the LM-head matmul and
+`sample_rows`. Off until measured on a GPU; the environment variable SLIPSTREAM_FUSED_LM_HEAD=1 (or `slipstream
+bench rollout --fused-lm-head`) turns it on."""
+
+
+def head_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary slices per row for `sample_hidden`: about `programs_per_sm` programs per SM over the row blocks,
+    each slice at least four tiles long."""
+    blocks = -(-rows // HEAD_LAUNCH["block_m"])
+    want = -(-HEAD_LAUNCH["programs_per_sm"] * sm_count(device) // blocks)
+    return max(1, min(HEAD_MAX_SPLITS, -(-vocab // (4 * HEAD_LAUNCH["block_n"])), want))
+
+
+def sample_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor | None,
+    token_index: torch.Tensor | None,
+    vocab_hash: torch.Tensor | None,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows(mm_fp32(hidden, weight.t()), ...)` with the LM-head matmul inside the sampling kernel: hidden
+    (B, H) and weight (V, H) of one dtype -> (tokens (B,) int64, behaviour log-probs (B,) fp32). The logits are
+    the same fp32-accumulated products up to the order of the additions."""
+    if not available():
+        raise RuntimeError("sample_hidden needs triton")
+    rows, size = hidden.shape
+    vocab = weight.shape[0]
+    if weight.shape[1] != size or weight.dtype != hidden.dtype or hidden.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"sample_hidden needs hidden (B, H) and weight (V, H) of one dtype with contiguous rows "
+                         f"(got {tuple(hidden.shape)} {hidden.dtype}, {tuple(weight.shape)} {weight.dtype})")  # fmt: skip
+    splits = head_splits(rows, vocab, hidden.device)
+    cols = -(-vocab // splits)
+    part = torch.empty((rows, splits, 5), dtype=torch.float32, device=hidden.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=hidden.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    seeds, token_index, vocab_hash = _kernel_keys(seeds, token_index, vocab_hash, greedy, hidden.device)
+    launch = HEAD_LAUNCH
+    _head_kernel[(-(-rows // launch["block_m"]), splits)](
+        hidden, weight, temperature, seeds, token_index, vocab_hash, part, rows, vocab, size, hidden.stride(0),
+        weight.stride(0), cols, splits, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
+        BLOCK_K=launch["block_k"], NOISE=not greedy, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+    )  # fmt: skip
+    _merge_kernel[(rows,)](part, tokens, logprobs, splits, MAX_CHUNKS=HEAD_MAX_SPLITS)
     return tokens, logprobs

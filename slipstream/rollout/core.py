@@ -196,7 +196,7 @@ class EngineCore:
         dev = self.runner.device
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
         first = torch.zeros(len(seqs), dtype=torch.int64, device=dev)
-        tokens, logprobs = self.runner.sample(self.runner.logits(rows), self.state, seeds, first, self.mode)
+        tokens, logprobs = self.runner.sample_hidden(rows, self.state, seeds, first, self.mode)
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()  # one sync; both exact
         self.running.extend(seqs)
         self._reload = True

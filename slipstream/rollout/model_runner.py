@@ -190,14 +190,27 @@ class ModelRunner:
         """fp32 logits from an fp32-accumulated matmul, as the trainer's fused log-prob op computes them."""
         return mm_fp32(hidden, self.model.lm_head_weight.t())
 
+    def _kernel_sampling(self, mode: tuple[bool, int, bool]) -> bool:
+        """Whether the Triton sampling kernels serve `mode`: on CUDA, without top-k / top-p."""
+        _, top_k, use_top_p = mode
+        return self.device.type == "cuda" and sampling.available() and not top_k and not use_top_p
+
     def sample(self, logits, state: "DecodeState", seeds, token_index, mode: tuple[bool, int, bool]):
         """Tokens and behaviour log-probs of fp32 logits (B, V): on CUDA without top-k / top-p, the one-pass
         Triton kernel (one read of the logits instead of three); else `sample_tokens` (compiled with the layers)."""
         greedy, top_k, use_top_p = mode
-        if self.device.type == "cuda" and sampling.available() and not top_k and not use_top_p:
+        if self._kernel_sampling(mode):
             return sampling.sample_rows(logits, state.temperature, seeds, token_index, self.vocab_hash, greedy)
         top_p = state.top_p if use_top_p else 1.0
         return self._sample(logits, state.temperature, seeds, token_index, self.vocab_hash, greedy, top_k, top_p)
+
+    def sample_hidden(self, hidden, state: "DecodeState", seeds, token_index, mode: tuple[bool, int, bool]):
+        """Tokens and behaviour log-probs from final-normed hidden states (B, H): the fp32 LM head then `sample`, or,
+        with `ops.sampling.FUSED_HEAD` where the kernels serve `mode`, one kernel that never writes the logits."""
+        if sampling.FUSED_HEAD and self._kernel_sampling(mode):
+            weight = self.model.lm_head_weight
+            return sampling.sample_hidden(hidden, weight, state.temperature, seeds, token_index, self.vocab_hash, mode[0])
+        return self.sample(self.logits(hidden), state, seeds, token_index, mode)
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple[bool, int, bool]) -> None:
@@ -212,7 +225,7 @@ class ModelRunner:
             cache, s.input_ids[:batch], in_slot, s.bases[:batch] + in_slot, s.cu_q[: batch + 1],
             s.cu_k[: batch + 1], s.seqused[:batch], 1, causal=False,
         )  # fmt: skip
-        tokens, logprobs = self.sample(self.logits(hidden), s, s.seeds[:batch], s.token_index[:batch], mode)
+        tokens, logprobs = self.sample_hidden(hidden, s, s.seeds[:batch], s.token_index[:batch], mode)
         s.out_tokens[:, :batch].index_copy_(0, s.step, tokens[None])
         s.out_logprobs[:, :batch].index_copy_(0, s.step, logprobs[None])
         s.input_ids[:batch].copy_(tokens)

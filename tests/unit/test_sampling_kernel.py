@@ -67,3 +67,35 @@ def test_sample_rows_draws_from_the_softmax():
     # 20k draws: standard error <= 0.0035; 4 standard errors
     torch.testing.assert_close(freqs, probs, atol=0.014, rtol=0)
     torch.testing.assert_close(logprobs.cpu(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_sample_hidden_equals_the_lm_head_then_sample_rows(greedy, monkeypatch):
+    """The fused LM-head kernel draws what the fp32 logits of the matmul draw through `sample_rows`."""
+    from slipstream.ops import sampling
+
+    # small tiles: several row blocks, vocabulary slices and tiles per slice, a hidden size the K tile does not
+    # divide, a row count the row tile does not divide
+    monkeypatch.setitem(sampling.HEAD_LAUNCH, "block_m", 16)
+    monkeypatch.setitem(sampling.HEAD_LAUNCH, "block_n", 32)
+    monkeypatch.setitem(sampling.HEAD_LAUNCH, "block_k", 16)
+    rows, vocab, size = 21, 700, 40
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(rows, size, generator=g).to(_DEVICE)
+    weight = (torch.randn(vocab, size, generator=g) * 0.5).to(_DEVICE)
+    weight[450] = weight[20]  # identical rows of the head: a tie across slices, the lower id wins when it is best
+    seeds = (torch.arange(rows, dtype=torch.int64) * 2654435761 % (1 << 32)).to(_DEVICE)
+    index = torch.arange(rows, dtype=torch.int64, device=_DEVICE) * 5
+    temperature = torch.tensor(0.8, device=_DEVICE)
+    hashes = vocab_hashes(vocab, _DEVICE)
+    splits = sampling.head_splits(rows, vocab, torch.device(_DEVICE))
+    assert splits > 1 and -(-vocab // splits) > 32  # several slices, each more than one tile
+
+    logits = hidden @ weight.t()
+    want_tokens, want_logprobs = sampling.sample_rows(logits, temperature, seeds, index, hashes, greedy)
+    tokens, logprobs = sampling.sample_hidden(hidden, weight, temperature, seeds, index, hashes, greedy)
+    assert tokens.tolist() == want_tokens.tolist()
+    assert 450 not in tokens.tolist()
+    torch.testing.assert_close(logprobs, want_logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError):
+        sampling.sample_hidden(hidden, weight.t().contiguous().t(), temperature, seeds, index, hashes, greedy)
