@@ -98,6 +98,8 @@ def add_rollout_parser(sub) -> None:
                    "ops/decode_attention.py:LAUNCH)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=16,
                    help="decode steps between two looks of the host at the tokens (rollout.decode_steps_per_sync)")
+    p.add_argument("--layer-kernels", action="store_true",
+                   help="the element-wise work between the layers' GEMMs in Triton kernels (ops/layer_kernels.py)")
     p.add_argument("--fused-lm-head", action="store_true",
                    help="sample with the LM head inside the sampling kernel (ops/sampling.py:sample_hidden)")
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")

@@ -31,6 +31,7 @@ import torch
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
 from slipstream.ops import decode_attention as decode_attention_op
+from slipstream.ops import layer_kernels as layer_kernels_op
 from slipstream.ops import sampling as sampling_op
 from slipstream.perf.mfu import lookup_device
 from slipstream.rollout.base import SamplingParams
@@ -239,7 +240,8 @@ def bench_rollout(
         log(f"[rollout] {preset} engine ({kernel} decode attention) ready in {warmup_s:.1f} s (weights, compile, warm-up)")
         settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
                     "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch."),
-                    "decode_steps_per_sync": steps_per_sync, "fused_lm_head": sampling_op.FUSED_HEAD and dev.type == "cuda"}  # fmt: skip
+                    "decode_steps_per_sync": steps_per_sync, "fused_lm_head": sampling_op.FUSED_HEAD and dev.type == "cuda",
+                    "layer_kernels": engine.runner.layer_kernels}  # fmt: skip
         if kernel == "triton" and dev.type == "cuda":  # the launch (environment overrides included) the row ran with
             settings.update(
                 decode_launch=dict(decode_attention_op.LAUNCH), programs_per_sm=decode_attention_op.PROGRAMS_PER_SM
@@ -361,6 +363,8 @@ def run_rollout_command(args) -> int:
             decode_attention_op.set_launch(args.decode_launch)
         if args.fused_lm_head:
             sampling_op.FUSED_HEAD = True
+        if args.layer_kernels:
+            layer_kernels_op.ENABLED = True
         batches = tuple(int(b) for b in args.batch.split(","))
         rows = bench_rollout(
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),

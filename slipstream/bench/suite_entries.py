@@ -399,6 +399,8 @@ def rollout_rows(quick: bool) -> list[Row]:
                                           "64,4,4,1"], 90),  # fmt: skip
         # the LM head inside the sampling kernel (no fp32 logits in memory), against the default
         "nanovllm-qwen3-0.6b-fused-lm-head": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--fused-lm-head"], 90),
+        # the norms, RoPE, cache write and SwiGLU activation in Triton kernels (fewer, leaner launches per layer)
+        "nanovllm-qwen3-0.6b-layer-kernels": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--layer-kernels"], 90),
         "nanovllm-qwen3-1.7b": (["--workload", "nanovllm"], 120),
     }
     return [Row(n, lambda a=a, t=t: command_row([*base, *a, "--out"], out_json=True, timeout_s=3 * t), t)

@@ -17,6 +17,7 @@ after k steps. On CUDA each (batch bucket, sampling mode) is captured once into 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import cache_attention, decode_capturable
-from slipstream.ops import sampling
+from slipstream.ops import layer_kernels, sampling
 from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.kv_cache import SlotCache
 from slipstream.rollout.sampler import sample_tokens, vocab_hashes
@@ -64,6 +65,34 @@ def _post_attention(layer, gate_up_weight, next_norm, h: torch.Tensor, attn: tor
     gate, up = F.linear(layer.post_attention_layernorm(h), gate_up_weight).chunk(2, dim=-1)
     h = _residual_add(h, layer.mlp.combine(gate, up))
     return h, next_norm(h)
+
+
+def _pre_attention_kernels(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, sin, k_cache, v_cache, write_index):
+    """`_pre_attention` as the q/k/v matmul and one Triton kernel (norms, RoPE, cache write)."""
+    attn = layer.self_attn
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else (None, None, 0.0)
+    return layer_kernels.qkv_heads(
+        qkv, attn.num_heads, attn.num_kv_heads, *norms, cos, sin, k_cache, v_cache, write_index
+    )  # fmt: skip
+
+
+def _attention_out(layer, gate_up_weight, h: torch.Tensor, attn: torch.Tensor):
+    """The residual stream after the attention, and the gate/up projection of its norm (T, 2I)."""
+    h = _residual_add(h, layer.self_attn.o_proj(attn.flatten(-2)))
+    return h, F.linear(layer.post_attention_layernorm(h), gate_up_weight)
+
+
+def _mlp_out(layer, next_norm, h: torch.Tensor, activation: torch.Tensor):
+    """The residual stream after the MLP's down projection of `activation`, and that stream through `next_norm`."""
+    h = _residual_add(h, layer.mlp.down_proj(activation))
+    return h, next_norm(h)
+
+
+def _post_attention_kernels(attention_out, mlp_out, layer, gate_up_weight, next_norm, h, attn):
+    """`_post_attention` with `silu(gate) * up` as one Triton kernel between `attention_out` and `mlp_out`."""
+    h, gate_up = attention_out(layer, gate_up_weight, h, attn)
+    return mlp_out(layer, next_norm, h, layer_kernels.silu_mul(gate_up))
 
 
 def fuse_projections(
@@ -141,12 +170,17 @@ class ModelRunner:
                 decode_attention,
             )  # fmt: skip
             self.cuda_graphs = False
-        pre, post, sample = _pre_attention, _post_attention, sample_tokens
-        if compile:
-            pre = torch.compile(pre, dynamic=True)
-            post = torch.compile(post, dynamic=True)
-            sample = torch.compile(sample, dynamic=True)
-        self._pre, self._post, self._sample = pre, post, sample
+        maybe_compile = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
+        self._sample = maybe_compile(sample_tokens)
+        self.layer_kernels = layer_kernels.ENABLED and self.device.type == "cuda" and layer_kernels.available()
+        """The element-wise work between the layers' GEMMs in Triton kernels (ops/layer_kernels.py)."""
+        if self.layer_kernels:
+            self._pre = _pre_attention_kernels
+            self._post = functools.partial(
+                _post_attention_kernels, maybe_compile(_attention_out), maybe_compile(_mlp_out)
+            )  # fmt: skip
+        else:
+            self._pre, self._post = maybe_compile(_pre_attention), maybe_compile(_post_attention)
         positions = torch.arange(self.cfg.max_position_embeddings, device=self.device)
         # RoPE tables indexed by position: the same values the training forward computes per call
         self.cos, self.sin = rope_cos_sin(positions, rope_inv_freq(self.cfg, self.device), self.dtype)

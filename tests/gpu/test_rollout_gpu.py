@@ -124,10 +124,16 @@ def _check_greedy_agreement(fast_out, ref_out, ref_model, gap_limit: float = GAP
     return counts
 
 
-def test_fast_path_greedy_matches_eager_reference():
+@pytest.mark.parametrize("layer_kernels", [False, True])
+def test_fast_path_greedy_matches_eager_reference(layer_kernels, monkeypatch):
+    from slipstream.ops import layer_kernels as kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", layer_kernels)
     prompts = _prompts(64)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=48)
     fast = _engine(True, max_batch_size=32)  # 64 samples through 32 slots: continuous batching
+    assert fast.runner.layer_kernels == layer_kernels
+    monkeypatch.setattr(kernels, "ENABLED", False)
     ref = _engine(False, max_batch_size=64)
     fast_out, ref_out = fast.generate(prompts, greedy), ref.generate(prompts, greedy)
     stats = fast.core.stats  # the replays' device time (CUDA events) lies inside the decode's wall time
