@@ -326,8 +326,9 @@ def _hf_rows(preset: str, cases: list[RolloutCase], dev: torch.device, dtype, pe
 
 
 def decode_idle(row: dict) -> float | None:
-    """Share of a rollout row's decode wall time in which the device had no decode step to run (it waited for
-    the host's look at the tokens every ring, slot reuse and launches); None where not measured."""
+    """Share of a rollout row's decode wall time outside its graph replays (CUDA events): at least the share in
+    which the device waited for the host's look at the tokens every ring, slot reuse and launches; None where
+    not measured."""
     if row.get("decode_device_s") is None or not row.get("decode_s"):
         return None
     return max(0.0, 1.0 - row["decode_device_s"] / row["decode_s"])

@@ -48,12 +48,15 @@ def _pre_attention(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, sin, k_cac
 
 
 def _residual_add(h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """h + branch, rounded as the trainer's add (the sum of the two in fp32, rounded once to h's dtype).
+    """h + branch, the stored sum rounded as the trainer's add (the two summed in fp32, rounded once to h's dtype).
 
-    Spelled with explicit fp32 casts so that inductor does not fold the add into the branch's GEMM as
-    addmm(h, ...): cuBLAS's beta = 1 first copies h into the output (two device-to-device copies per layer
-    and decode step) and adds the unrounded product, which the trainer never sees. As a plain add it fuses
-    into the norm kernel that reads the sum next. In fp32 the casts are no-ops and the fold happens."""
+    For bf16 / fp16 spelled with explicit fp32 casts, so that inductor does not fold the add into the branch's
+    GEMM as addmm(h, ...): cuBLAS's beta = 1 first copies h into the output (two device-to-device copies per
+    layer and decode step) and adds the unrounded product. As a plain add it fuses into the norm kernel that
+    reads the sum next (which, fused, reads the fp32 sum before its rounding, as inductor keeps fused
+    intermediates in fp32). In fp32 the plain add folds into addmm as before."""
+    if h.dtype not in (torch.bfloat16, torch.float16):
+        return h + branch
     return (h.float() + branch.float()).to(h.dtype)
 
 
@@ -276,18 +279,20 @@ class ModelRunner:
         graph = self.graphs.get((batch, mode))
         if graph is None:
             graph = self._capture(cache, state, batch, mode)
+        stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         for _ in range(steps):
             graph.replay()
-        end.record()
+        end.record(stream)
         self._replay_spans.append((start, end))
 
     def take_replay_seconds(self) -> float:
         """Device seconds from the first to the last graph replay of each `run_decode` since the last call
-        (0 without graphs). The decode's wall time less this is the time the device waited for the host (its
-        looks at the tokens every ring, slot reuse, launches). Call once the host has waited for those
-        replays (reading their tokens does)."""
+        (0 without graphs). The decode's wall time less this is a lower bound on the time the device waited
+        for the host (its looks at the tokens every ring, slot reuse, launches): a span also holds any gap
+        between two replays of a ring. Call once the host has waited for those replays (reading their
+        tokens does)."""
         spans, self._replay_spans = self._replay_spans, []
         return sum(start.elapsed_time(end) for start, end in spans) / 1e3
 
@@ -324,6 +329,7 @@ class ModelRunner:
         """Forget the captured graphs (the cache or the state buffers they point at are gone)."""
         self.graphs.clear()
         self._pool = None
+        self._replay_spans.clear()  # a decode cut short (an error) must not count in a later one
 
     def refuse(self, shapes: dict[str, torch.Size] | None = None) -> None:
         """Fuse the projections again after the model moved, or allocate the fused storages at `shapes`
