@@ -11,7 +11,8 @@ CUDA events, median of 20 after 5 warm-ups. Prints one line per (case, kernel) a
 launch configuration per case (block rows, warps, stages, grid order);
 `ops/decode_attention.py:LAUNCH` holds the chosen one. Then, at the chosen launch, 2x / 4x / 8x
 the split count `choose_splits` gives (its programs-per-SM target is
-`ops/decode_attention.py:PROGRAMS_PER_SM`).
+`ops/decode_attention.py:PROGRAMS_PER_SM`), and the launch order of the sequences (as given, and
+longest first).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from slipstream.perf.timers import repeat_timed
 
 CASES = {"b256-ctx1100": (256, 1100), "b64-ctx768": (64, 768), "b8-ctx3000": (8, 3000), "b1-ctx4000": (1, 4000)}
 CONFIGS = [
-    dict(block_n=n, num_warps=w, num_stages=s, heads_first=h)
+    dict(block_n=n, num_warps=w, num_stages=s, heads_first=h, longest_first=0)
     for n, w, s, h in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0, 1))
 ]
 
@@ -79,6 +80,15 @@ def main() -> None:
             t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, more), dev)
             rows.append({"case": name, "kernel": "triton-splits", **chosen, "splits": more, "s": t,
                          "tb_per_s": kv_bytes / t / 1e12})  # fmt: skip
+        # the launch order: longest sequence first (its argsort made once per decode step, outside the timing)
+        for longest_first in (0, 1):
+            launch = dict(chosen, longest_first=longest_first)
+            decode_attention.LAUNCH.update(launch)
+            order = decode_attention.launch_order(lengths)
+            t = _time(lambda: decode_attention.decode_attention(q, k, v, starts, lengths, splits, order=order), dev)
+            rows.append({"case": name, "kernel": "triton-order", **launch, "splits": splits, "s": t,
+                         "tb_per_s": kv_bytes / t / 1e12})  # fmt: skip
+        decode_attention.LAUNCH.update(chosen)
     for r in rows:
         print(json.dumps(r))
     for name in CASES:
@@ -86,12 +96,14 @@ def main() -> None:
         flash = next(r for r in rows if r["case"] == name and r["kernel"] == "flash")
         split_rows = [r for r in rows if r["case"] == name and r["kernel"] == "triton-splits"]
         at_chosen = next(r for r in rows if r["case"] == name and r["kernel"] == "triton"
-                         and all(r[key] == value for key, value in chosen.items()))  # fmt: skip
+                         and all(r[key] == value for key, value in chosen.items() if key != "longest_first"))  # fmt: skip
         by_splits = ", ".join(f"{r['splits']}: {r['tb_per_s']:.2f}" for r in [at_chosen, *split_rows])
+        by_order = ", ".join(f"{r['longest_first']}: {r['tb_per_s']:.2f}"
+                             for r in rows if r["case"] == name and r["kernel"] == "triton-order")  # fmt: skip
         print(f"{name}: flash {flash['tb_per_s']:.2f} TB/s; best triton {best['tb_per_s']:.2f} TB/s "
               f"(block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} "
               f"heads_first={best['heads_first']} splits={best['splits']}); "
-              f"at the chosen launch by splits (TB/s): {by_splits}")
+              f"at the chosen launch by splits (TB/s): {by_splits}; by longest_first: {by_order}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

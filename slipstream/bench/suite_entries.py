@@ -401,9 +401,12 @@ def rollout_rows(quick: bool) -> list[Row]:
         "nanovllm-qwen3-0.6b-fused-lm-head": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--fused-lm-head"], 90),
         # the norms, RoPE, cache write and SwiGLU activation in Triton kernels (fewer, leaner launches per layer)
         "nanovllm-qwen3-0.6b-layer-kernels": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--layer-kernels"], 90),
-        # the three above together
+        # the decode kernel's programs ordered longest sequence first
+        "nanovllm-qwen3-0.6b-longest-first": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
+                                               "64,4,2,1,1"], 90),  # fmt: skip
+        # the four above together
         "nanovllm-qwen3-0.6b-all-candidates": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
-                                                "64,4,4,1", "--fused-lm-head", "--layer-kernels"], 90),  # fmt: skip
+                                                "64,4,4,1,1", "--fused-lm-head", "--layer-kernels"], 90),  # fmt: skip
         "nanovllm-qwen3-1.7b": (["--workload", "nanovllm"], 120),
     }
     return [Row(n, lambda a=a, t=t: command_row([*base, *a, "--out"], out_json=True, timeout_s=3 * t), t)

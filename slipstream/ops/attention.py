@@ -296,6 +296,7 @@ def cache_attention(
     causal: bool,
     scale: float | None = None,
     decode_kernel: str = "triton",
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over a flattened KV cache with ragged lengths: -> (T, Hq, D).
 
@@ -311,7 +312,7 @@ def cache_attention(
 
     CUDA: decoding (one query per sequence, `max_seqlen_q` 1) runs the Triton split-K kernel of
     ops/decode_attention.py (`decode_kernel="triton"`, when triton is installed; bf16, fp16 and
-    fp32 with exact fp32 products); with bf16/fp16, prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
+    fp32 with exact fp32 products; `order`: the decode kernel's `launch_order`, shared by a step's layers); with bf16/fp16, prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
     (B, L) mask, no per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere:
     one SDPA call per sequence over exactly its keys, so a sequence's result does not depend on
     the others.
@@ -321,7 +322,7 @@ def cache_attention(
         # one query row per sequence: rows of q are the sequences
         splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device)
         starts = cu_seqlens_k[: q.shape[0]]
-        return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale)
+        return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale, order)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = torch.ops.aten._flash_attention_forward(
             q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,

@@ -29,18 +29,21 @@ try:
 except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
-LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 1}
-"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, and
-the grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 1, "longest_first": 0}
+"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, the
+grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
 order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
 one stream; 0: neighbours are sequences of the same head; heads first read ~4% faster on a 256-sequence
-batch). Chosen by `bench/bench_decode_attention.py` and nano-vllm's workload on the H200; see
-docs/benchmarks.md. The environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first]"
+batch), and the sequence order (longest_first=1: the programs of the longest sequences start first, so
+the short ones fill the end of the launch instead of a long one running alone there; the order is one
+argsort of the lengths per decode step, `launch_order`; not yet measured, so off). Chosen by
+`bench/bench_decode_attention.py` and nano-vllm's workload on the H200; see docs/benchmarks.md. The
+environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first[,longest_first]]"
 (or `slipstream bench rollout --decode-launch`) overrides it."""
 
 
 def set_launch(text: str) -> None:
-    """Set the leading keys of LAUNCH from "block_n,num_warps,num_stages[,heads_first]"."""
+    """Set the leading keys of LAUNCH from "block_n,num_warps,num_stages[,heads_first[,longest_first]]"."""
     values = [int(v) for v in text.split(",")]
     if not 3 <= len(values) <= len(LAUNCH):
         raise ValueError(f"a decode launch is {','.join(LAUNCH)} (the last optional); got {text!r}")
@@ -67,6 +70,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def launch_order(lengths: torch.Tensor) -> torch.Tensor | None:
+    """The sequences by decreasing length (B,) int32 when LAUNCH asks for longest first, else None (launch order).
+    One per decode step: every layer's launch reads it."""
+    if not LAUNCH["longest_first"]:
+        return None
+    return torch.argsort(lengths, descending=True).to(torch.int32)
+
+
 def choose_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     """Enough programs to give every SM about `PROGRAMS_PER_SM`, at most 16 splits of a sequence."""
     sms = sm_count(device)
@@ -77,12 +88,12 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, Starts, Lengths, Acc, ML, Out,
+        Q, K, V, Starts, Lengths, Order, Acc, ML, Out,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
         stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
         scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr,
+        PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr, ORDERED: tl.constexpr,
     ):  # fmt: skip
         if HEADS_FIRST:
             h = tl.program_id(0)
@@ -90,6 +101,8 @@ if triton is not None:
         else:
             b = tl.program_id(0)
             h = tl.program_id(1)
+        if ORDERED:  # the b-th program of the launch order works on sequence Order[b]
+            b = tl.load(Order + b)
         s = tl.program_id(2)
         start = tl.load(Starts + b).to(tl.int64)
         length = tl.load(Lengths + b)
@@ -160,8 +173,10 @@ def decode_attention(
     lengths: torch.Tensor,
     num_splits: int,
     scale: float | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per sequence over its cache rows: q (B, Hq, D) -> (B, Hq, D)."""
+    """Attention of one query per sequence over its cache rows: q (B, Hq, D) -> (B, Hq, D). `order` (B,) int32 is
+    `launch_order(lengths)`, computed here when LAUNCH asks for it and the caller has none."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     bsz, hq, d = q.shape
@@ -175,13 +190,16 @@ def decode_attention(
     acc = torch.empty((bsz, hq, num_splits, d) if num_splits > 1 else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
     ml = torch.empty((bsz, hq, num_splits, 2) if num_splits > 1 else (1, 1, 1, 2), dtype=torch.float32, device=q.device)
     heads_first = bool(LAUNCH["heads_first"])
+    if order is None:
+        order = launch_order(lengths)
     _split_kernel[(hkv, bsz, num_splits) if heads_first else (bsz, hkv, num_splits)](
-        q, k_cache, v_cache, starts, lengths, acc, ml, out,
+        q, k_cache, v_cache, starts, lengths, lengths if order is None else order, acc, ml, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
         scale,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
+        ORDERED=order is not None,
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     if num_splits == 1:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import cache_attention, decode_capturable
+from slipstream.ops.decode_attention import launch_order
 from slipstream.ops import layer_kernels, sampling
 from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.kv_cache import SlotCache
@@ -207,8 +208,10 @@ class ModelRunner:
         seqused_k: torch.Tensor,
         max_seqlen_q: int,
         causal: bool,
+        order: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden (T, H) of packed new tokens (T,); their k/v go to cache rows `write_index` (T,)."""
+        """Final-normed hidden (T, H) of packed new tokens (T,); their k/v go to cache rows `write_index` (T,).
+        `order`: the decode-attention launch order of the step (`ops/decode_attention.py:launch_order`)."""
         model = self.model
         h = model.embed_tokens(input_ids)
         x = model.layers[0].input_layernorm(h)
@@ -218,7 +221,7 @@ class ModelRunner:
             q = self._pre(layer, qkv_w, qkv_b, x, cos, sin, cache.k[i], cache.v[i], write_index)
             attn = cache_attention(
                 q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal,
-                decode_kernel=self.decode_attention,
+                decode_kernel=self.decode_attention, order=order,
             )  # fmt: skip
             h, x = self._post(layer, gate_up_w, next_norm, h, attn)
         return x
@@ -258,9 +261,11 @@ class ModelRunner:
         # last row instead of spilling into the next slot
         in_slot = pos.clamp(max=cache.slot_len - 1)
         s.seqused[:batch].copy_(in_slot + 1)
+        triton_decode = self.device.type == "cuda" and self.decode_attention == "triton"
+        order = launch_order(s.seqused[:batch]) if triton_decode else None  # one per step, for every layer
         hidden = self.forward(
             cache, s.input_ids[:batch], in_slot, s.bases[:batch] + in_slot, s.cu_q[: batch + 1],
-            s.cu_k[: batch + 1], s.seqused[:batch], 1, causal=False,
+            s.cu_k[: batch + 1], s.seqused[:batch], 1, causal=False, order=order,
         )  # fmt: skip
         tokens, logprobs = self.sample_hidden(hidden, s, s.seeds[:batch], s.token_index[:batch], mode)
         s.out_tokens[:, :batch].index_copy_(0, s.step, tokens[None])

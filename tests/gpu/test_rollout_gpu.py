@@ -124,18 +124,25 @@ def _check_greedy_agreement(fast_out, ref_out, ref_model, gap_limit: float = GAP
     return counts
 
 
-@pytest.mark.parametrize("layer_kernels", [False, True])
-def test_fast_path_greedy_matches_eager_reference(layer_kernels, monkeypatch):
-    from slipstream.ops import layer_kernels as kernels
+@pytest.mark.parametrize("candidates", [False, True])
+def test_fast_path_greedy_matches_eager_reference(candidates, monkeypatch):
+    # candidates: the opt-in fast-path variants not yet measured (layer kernels, fused LM head, longest-first
+    # decode-attention launch order), all on
+    from slipstream.ops import decode_attention, layer_kernels, sampling
 
-    monkeypatch.setattr(kernels, "ENABLED", layer_kernels)
+    monkeypatch.setattr(layer_kernels, "ENABLED", candidates)
+    monkeypatch.setattr(sampling, "FUSED_HEAD", candidates)
+    monkeypatch.setitem(decode_attention.LAUNCH, "longest_first", int(candidates))
     prompts = _prompts(64)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=48)
     fast = _engine(True, max_batch_size=32)  # 64 samples through 32 slots: continuous batching
-    assert fast.runner.layer_kernels == layer_kernels
-    monkeypatch.setattr(kernels, "ENABLED", False)
+    assert fast.runner.layer_kernels == candidates
+    monkeypatch.setattr(layer_kernels, "ENABLED", False)
     ref = _engine(False, max_batch_size=64)
-    fast_out, ref_out = fast.generate(prompts, greedy), ref.generate(prompts, greedy)
+    fast_out = fast.generate(prompts, greedy)
+    monkeypatch.setattr(sampling, "FUSED_HEAD", False)  # read at each call: the reference samples from logits
+    ref_out = ref.generate(prompts, greedy)
+    monkeypatch.setattr(sampling, "FUSED_HEAD", candidates)
     stats = fast.core.stats  # the replays' device time (CUDA events) lies inside the decode's wall time
     assert 0 < stats.decode_device_s <= stats.decode_s, (stats.decode_device_s, stats.decode_s)
     # random weights scaled x3 give logits of ~10: bf16 rounding of the hidden states moves them by a few

@@ -53,10 +53,17 @@ def test_h200_bounds_of_the_nanovllm_workload_are_the_issues():
 def test_decode_launch_override(monkeypatch):
     monkeypatch.setattr(decode_attention, "LAUNCH", dict(decode_attention.LAUNCH))
     decode_attention.set_launch("128,8,3")
-    assert decode_attention.LAUNCH == {"block_n": 128, "num_warps": 8, "num_stages": 3, "heads_first": 1}
+    assert decode_attention.LAUNCH == {"block_n": 128, "num_warps": 8, "num_stages": 3, "heads_first": 1,
+                                       "longest_first": 0}  # fmt: skip
     decode_attention.set_launch("64,4,4,0")
     assert decode_attention.LAUNCH["num_stages"] == 4 and decode_attention.LAUNCH["heads_first"] == 0
-    for bad in ("64,4", "64,4,2,1,7", "64,four,2"):
+    decode_attention.set_launch("64,4,4,1,1")
+    assert decode_attention.LAUNCH["longest_first"] == 1
+    lengths = torch.tensor([5, 900, 17, 900, 64], dtype=torch.int32)
+    order = decode_attention.launch_order(lengths)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(5))
+    assert lengths[order].tolist() == [900, 900, 64, 17, 5]
+    for bad in ("64,4", "64,4,2,1,0,7", "64,four,2"):
         with pytest.raises(ValueError):
             decode_attention.set_launch(bad)
 

@@ -19,13 +19,14 @@ _RUNS = _TRITON and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_
 pytestmark = pytest.mark.skipif(not _RUNS, reason="needs triton, and CUDA or TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("heads_first", [0, 1])
+@pytest.mark.parametrize("heads_first,longest_first", [(0, 0), (1, 0), (1, 1), (0, 1)])
 @pytest.mark.parametrize("group,head_dim,splits", [(2, 128, 1), (2, 128, 3), (3, 64, 4), (1, 64, 2)])
-def test_decode_attention_matches_sdpa(group, head_dim, splits, heads_first, monkeypatch):
+def test_decode_attention_matches_sdpa(group, head_dim, splits, heads_first, longest_first, monkeypatch):
     from slipstream.ops import decode_attention as module
     from slipstream.ops.decode_attention import decode_attention
 
     monkeypatch.setitem(module.LAUNCH, "heads_first", heads_first)  # both grid orders
+    monkeypatch.setitem(module.LAUNCH, "longest_first", longest_first)  # and both sequence orders
 
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     g = torch.Generator().manual_seed(group * 100 + splits)
