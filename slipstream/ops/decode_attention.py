@@ -36,7 +36,8 @@ order, so the GPU runs them together and they read the cache rows, which interle
 one stream; 0: neighbours are sequences of the same head; heads first read ~4% faster on a 256-sequence
 batch), and the sequence order (longest_first=1: the programs of the longest sequences start first, so
 the short ones fill the end of the launch instead of a long one running alone there; the order is one
-argsort of the lengths per decode step, `launch_order`; not yet measured, so off). Chosen by
+argsort of the lengths per decode step, `launch_order`; with several splits a sequence's later splits
+still come after every sequence's first one; not yet measured, so off). Chosen by
 `bench/bench_decode_attention.py` and nano-vllm's workload on the H200; see docs/benchmarks.md. The
 environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first[,longest_first]]"
 (or `slipstream bench rollout --decode-launch`) overrides it."""
@@ -192,6 +193,8 @@ def decode_attention(
     heads_first = bool(LAUNCH["heads_first"])
     if order is None:
         order = launch_order(lengths)
+    elif order.shape != (bsz,):
+        raise ValueError(f"order must hold one index per sequence ({bsz}), got {tuple(order.shape)}")
     _split_kernel[(hkv, bsz, num_splits) if heads_first else (bsz, hkv, num_splits)](
         q, k_cache, v_cache, starts, lengths, lengths if order is None else order, acc, ml, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

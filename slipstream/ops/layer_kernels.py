@@ -59,7 +59,7 @@ if triton is not None:
         hq = tl.arange(0, HQ_P2)[:, None]
         x, rot = _rotated(base, hq, hq < HQ, d, D, QW, eps, NORM, dtype)
         tl.store(Q + t * stride_qt + hq * stride_qh + d, (x * cos + rot * sin).to(dtype), mask=hq < HQ)
-        row = tl.load(WriteIndex + t)
+        row = tl.load(WriteIndex + t).to(tl.int64)  # cache offsets pass 2**31 on big caches
         hk = tl.arange(0, HKV_P2)[:, None]
         x, rot = _rotated(base + HQ * D, hk, hk < HKV, d, D, KW, eps, NORM, dtype)
         k_out = KCache + row * stride_kn + hk * stride_kh + d

@@ -38,7 +38,9 @@ if triton is not None:
         x = x * -2073254261  # 0x846CA68B as a signed int32
         return x ^ ((x >> 16) & 0xFFFF)
 
-    @triton.jit(do_not_specialize=["V", "CHUNK", "NUM_CHUNKS"])
+    # V and CHUNK stay specialised (a multiple of 16 lets the loads vectorise); CHUNK is a whole number of blocks,
+    # so every row count launches the same compiled kernel
+    @triton.jit(do_not_specialize=["NUM_CHUNKS"])
     def _chunk_kernel(
         Logits, Temperature, Seeds, TokenIndex, VocabHash, Part, stride_lb, V, CHUNK, NUM_CHUNKS,
         BLOCK: tl.constexpr, NOISE: tl.constexpr,
@@ -97,11 +99,12 @@ if triton is not None:
         tl.store(part + 3, token.to(tl.float32))  # token ids < 2**24 are exact in fp32
         tl.store(part + 4, scaled_all)
 
-    @triton.jit(do_not_specialize=["rows", "V", "K", "COLS", "NUM_CHUNKS"])
+    # V, K and COLS (whole tiles) stay specialised: with K a known multiple of 16 the tile loads vectorise and
+    # pipeline (as run-time values they compiled to one 2-byte load per element, unpipelined)
+    @triton.jit(do_not_specialize=["rows", "NUM_CHUNKS"])
     def _head_kernel(
         H, W, Temperature, Seeds, TokenIndex, VocabHash, Part, rows, V, K, stride_h, stride_w, COLS, NUM_CHUNKS,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NOISE: tl.constexpr,
-        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """`_chunk_kernel` on logits it computes itself: each program multiplies BLOCK_M rows of the hidden
         states by its slice of the LM head, tile by tile, and folds each fp32 tile into the rows' running
@@ -133,7 +136,8 @@ if triton is not None:
                 k_ok = (k0 + k) < K
                 h = tl.load(h_rows + (k0 + k)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+                # "ieee": exact products for fp32 weights (no TF32); bf16 / fp16 multiply exactly anyway
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
             x = tl.where(valid[None, :], acc, float("-inf"))
             if NOISE:
                 scaled = tl.div_rn(x, t)
@@ -189,6 +193,13 @@ compile-time width), so a new batch size launches the compiled kernels instead o
 prefill of an RL step samples at row counts it has not seen."""
 
 
+def _slices(vocab: int, wanted: int, tile: int) -> tuple[int, int]:
+    """(count, length) of vocabulary slices: about `wanted` of them, each a whole number of `tile` entries."""
+    per_slice = -(-vocab // wanted)
+    length = -(-per_slice // tile) * tile
+    return -(-vocab // length), length
+
+
 def num_chunks(rows: int, vocab: int, device: torch.device) -> int:
     """Programs per row: enough for about four per SM over the batch, each at least a few blocks long."""
     return max(1, min(MAX_CHUNKS, -(-vocab // (4 * BLOCK)), -(-4 * sm_count(device) // max(1, rows))))
@@ -221,7 +232,7 @@ def sample_rows(
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"sample_rows needs fp32 logits with contiguous rows (got {logits.dtype})")
     chunks = num_chunks(rows, vocab, logits.device)
-    chunk = -(-vocab // chunks)
+    chunks, chunk = _slices(vocab, chunks, BLOCK)
     part = torch.empty((rows, chunks, 5), dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -274,7 +285,7 @@ def sample_hidden(
         raise ValueError(f"sample_hidden needs hidden (B, H) and weight (V, H) of one dtype with contiguous rows "
                          f"(got {tuple(hidden.shape)} {hidden.dtype}, {tuple(weight.shape)} {weight.dtype})")  # fmt: skip
     splits = head_splits(rows, vocab, hidden.device)
-    cols = -(-vocab // splits)
+    splits, cols = _slices(vocab, splits, HEAD_LAUNCH["block_n"])
     part = torch.empty((rows, splits, 5), dtype=torch.float32, device=hidden.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=hidden.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
@@ -283,7 +294,7 @@ def sample_hidden(
     _head_kernel[(-(-rows // launch["block_m"]), splits)](
         hidden, weight, temperature, seeds, token_index, vocab_hash, part, rows, vocab, size, hidden.stride(0),
         weight.stride(0), cols, splits, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
-        BLOCK_K=launch["block_k"], NOISE=not greedy, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        BLOCK_K=launch["block_k"], NOISE=not greedy,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )  # fmt: skip
     _merge_kernel[(rows,)](part, tokens, logprobs, splits, MAX_CHUNKS=HEAD_MAX_SPLITS)

@@ -175,7 +175,7 @@ def test_fused_lm_head_samples_as_the_separate_head(monkeypatch):
     pairs = [(a.response_ids, b.response_ids) for ga, gb in zip(outs[False], outs[True]) for a, b in zip(ga, gb)]
     same = sum(a == b for a, b in pairs)
     print(f"fused LM head: {same} of {len(pairs)} samples identical end to end")
-    assert same >= len(pairs) // 2, same
+    assert same >= 0.9 * len(pairs), same
     rollout_err, trainer_err = behaviour_logprob_errors(outs[True], engine.model)
     print(f"mean |log-prob - fp32 forward|: fused rollout {rollout_err:.4f}, bf16 trainer {trainer_err:.4f}")
     assert rollout_err <= 1.25 * trainer_err, (rollout_err, trainer_err)

@@ -37,10 +37,13 @@ def _tolerances(dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_qkv_heads_equals_the_attention_modules_and_the_cache_writes(qk_norm, dtype):
+# (query heads, kv heads, head dim): power-of-two and other head counts, head dims 32 / 64 / 128, qwen3-8b's 32:8
+@pytest.mark.parametrize("heads", [(6, 2, 32), (6, 3, 128), (12, 3, 64), (32, 8, 128)])
+def test_qkv_heads_equals_the_attention_modules_and_the_cache_writes(heads, qk_norm, dtype):
     from slipstream.ops.layer_kernels import qkv_heads
 
-    cfg = dataclasses.replace(_QWEN, qk_norm=qk_norm)
+    hq, hkv, d = heads
+    cfg = dataclasses.replace(_QWEN, qk_norm=qk_norm, num_heads=hq, num_kv_heads=hkv, head_dim=d)
     model = Transformer(cfg)
     model.init_weights(0)
     attn = model.layers[0].self_attn.to(_DEVICE, dtype)
@@ -48,7 +51,7 @@ def test_qkv_heads_equals_the_attention_modules_and_the_cache_writes(qk_norm, dt
         with torch.no_grad():
             attn.q_norm.weight.uniform_(0.5, 1.5)
             attn.k_norm.weight.uniform_(0.5, 1.5)
-    tokens, d, hq, hkv = 5, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    tokens = 5
     g = torch.Generator().manual_seed(0)
     qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 2).to(_DEVICE, dtype)
     positions = torch.tensor([0, 3, 17, 200, 5], device=_DEVICE)
