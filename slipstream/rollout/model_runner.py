@@ -6,7 +6,9 @@ decoder layer is split at the attention into two functions (pre: q/k/v, q/k norm
 cache write; post: output projection, residual, norm, MLP, residual, and the next layer's input
 norm, so that the residual add and that norm fuse); with `compile` they run under torch.compile
 (dynamic shapes: one compilation serves every layer, batch size and prompt length), which fuses
-their pointwise work. The attention runs between them.
+their pointwise work. The attention runs between them. With `ops/layer_kernels.py:ENABLED` on CUDA,
+the pre half is the q/k/v matmul and one Triton kernel, and the MLP activation is a Triton kernel
+between the two compiled parts of the post half.
 
 A decode step is the whole token step for a batch of B slots: embed, every layer, final norm, LM
 head in fp32, sampling on the device, then the state advance (next input token, position,
@@ -65,10 +67,9 @@ def _post_attention(layer, gate_up_weight, next_norm, h: torch.Tensor, attn: tor
     """Residual stream (T, H) after one layer, from its input and its attention output (T, Hq, D), and that
     stream through `next_norm` (the next layer's input norm, or the final norm after the last layer): under
     compile each residual add and the norm after it are one kernel."""
-    h = _residual_add(h, layer.self_attn.o_proj(attn.flatten(-2)))
-    gate, up = F.linear(layer.post_attention_layernorm(h), gate_up_weight).chunk(2, dim=-1)
-    h = _residual_add(h, layer.mlp.combine(gate, up))
-    return h, next_norm(h)
+    h, gate_up = _attention_out(layer, gate_up_weight, h, attn)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _mlp_out(layer, next_norm, h, F.silu(gate) * up)
 
 
 def _pre_attention_kernels(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, sin, k_cache, v_cache, write_index):
