@@ -216,6 +216,18 @@ def _kernel_keys(seeds, token_index, vocab_hash, greedy: bool, device: torch.dev
     return seeds, token_index, vocab_hash
 
 
+def _sample_in_slices(launch, rows: int, slices: int, max_slices: int, seeds, token_index, vocab_hash, greedy: bool,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both entry points share: the (rows, slices, 5) partials, the keys, `launch(part, seeds, token_index,
+    vocab_hash)` of the per-slice kernel, and the merge into tokens (B,) int64 and log-probs (B,) fp32."""
+    part = torch.empty((rows, slices, 5), dtype=torch.float32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    launch(part, *_kernel_keys(seeds, token_index, vocab_hash, greedy, device))
+    _merge_kernel[(rows,)](part, tokens, logprobs, slices, MAX_CHUNKS=max_slices)
+    return tokens, logprobs
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -231,18 +243,15 @@ def sample_rows(
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"sample_rows needs fp32 logits with contiguous rows (got {logits.dtype})")
-    chunks = num_chunks(rows, vocab, logits.device)
-    chunks, chunk = _slices(vocab, chunks, BLOCK)
-    part = torch.empty((rows, chunks, 5), dtype=torch.float32, device=logits.device)
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    seeds, token_index, vocab_hash = _kernel_keys(seeds, token_index, vocab_hash, greedy, logits.device)
-    _chunk_kernel[(rows, chunks)](
-        logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
-        chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
-    )  # fmt: skip
-    _merge_kernel[(rows,)](part, tokens, logprobs, chunks, MAX_CHUNKS=MAX_CHUNKS)
-    return tokens, logprobs
+    chunks, chunk = _slices(vocab, num_chunks(rows, vocab, logits.device), BLOCK)
+
+    def launch(part, seeds, token_index, vocab_hash):
+        _chunk_kernel[(rows, chunks)](
+            logits, temperature, seeds, token_index, vocab_hash, part, logits.stride(0), vocab, chunk,
+            chunks, BLOCK=BLOCK, NOISE=not greedy, num_warps=8,
+        )  # fmt: skip
+
+    return _sample_in_slices(launch, rows, chunks, MAX_CHUNKS, seeds, token_index, vocab_hash, greedy, logits.device)
 
 
 HEAD_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
@@ -284,18 +293,14 @@ def sample_hidden(
     if weight.shape[1] != size or weight.dtype != hidden.dtype or hidden.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"sample_hidden needs hidden (B, H) and weight (V, H) of one dtype with contiguous rows "
                          f"(got {tuple(hidden.shape)} {hidden.dtype}, {tuple(weight.shape)} {weight.dtype})")  # fmt: skip
-    splits = head_splits(rows, vocab, hidden.device)
-    splits, cols = _slices(vocab, splits, HEAD_LAUNCH["block_n"])
-    part = torch.empty((rows, splits, 5), dtype=torch.float32, device=hidden.device)
-    tokens = torch.empty(rows, dtype=torch.int64, device=hidden.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-    seeds, token_index, vocab_hash = _kernel_keys(seeds, token_index, vocab_hash, greedy, hidden.device)
-    launch = HEAD_LAUNCH
-    _head_kernel[(-(-rows // launch["block_m"]), splits)](
-        hidden, weight, temperature, seeds, token_index, vocab_hash, part, rows, vocab, size, hidden.stride(0),
-        weight.stride(0), cols, splits, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
-        BLOCK_K=launch["block_k"], NOISE=not greedy,
-        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-    )  # fmt: skip
-    _merge_kernel[(rows,)](part, tokens, logprobs, splits, MAX_CHUNKS=HEAD_MAX_SPLITS)
-    return tokens, logprobs
+    splits, cols = _slices(vocab, head_splits(rows, vocab, hidden.device), HEAD_LAUNCH["block_n"])
+
+    def launch(part, seeds, token_index, vocab_hash):
+        config = HEAD_LAUNCH
+        _head_kernel[(-(-rows // config["block_m"]), splits)](
+            hidden, weight, temperature, seeds, token_index, vocab_hash, part, rows, vocab, size, hidden.stride(0),
+            weight.stride(0), cols, splits, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
+            BLOCK_K=config["block_k"], NOISE=not greedy, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )  # fmt: skip
+
+    return _sample_in_slices(launch, rows, splits, HEAD_MAX_SPLITS, seeds, token_index, vocab_hash, greedy, hidden.device)
