@@ -270,8 +270,9 @@ def _generation_text(x: dict) -> str:
     if x.get("ms_per_decode_step") is not None:
         parts.append(f"{x['time_s']:.2f} s, prefill {x['prefill_s']:.2f} s, "
                      f"{x['ms_per_decode_step']:.2f} ms per decode step")  # fmt: skip
-    if decode_idle(x) is not None:
-        parts.append(f"device idle {decode_idle(x):.1%} of the decode")
+    idle = decode_idle(x)
+    if idle is not None:
+        parts.append(f"device idle {idle:.1%} of the decode")
     launch = (x.get("settings") or {}).get("decode_launch")
     if launch and x.get("call") == "first":
         parts.append("decode launch " + ",".join(str(v) for v in launch.values())

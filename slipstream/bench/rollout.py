@@ -337,7 +337,8 @@ def decode_idle(row: dict) -> float | None:
 def _line(r: dict) -> str:
     bound = f", {r['bound_frac']:.1%} of bound" if r.get("bound_frac") else ""
     step = f", {r['ms_per_decode_step']:.2f} ms/step" if "ms_per_decode_step" in r else ""
-    step += f", device idle {decode_idle(r):.1%} of the decode" if decode_idle(r) is not None else ""
+    idle = decode_idle(r)
+    step += f", device idle {idle:.1%} of the decode" if idle is not None else ""
     return (f"[rollout] {r['engine']:<18} {r['case']:<24} {r['call']:<6} {r['tok_per_s']:>9,.0f} tok/s "
             f"({r['time_s']:.2f} s{step}{bound})")  # fmt: skip
 

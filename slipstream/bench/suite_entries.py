@@ -380,11 +380,27 @@ def rl_step_rows(quick: bool) -> list[Row]:
     ]  # fmt: skip
 
 
+NANOVLLM_06B_VARIANTS = {
+    # the decode kernel with 4 pipeline stages (faster on big batches in the launch sweep)
+    "stages-4": ["--decode-launch", "64,4,4,1"],
+    # the LM head inside the sampling kernel (no fp32 logits in memory)
+    "fused-lm-head": ["--fused-lm-head"],
+    # the norms, RoPE, cache write and SwiGLU activation in Triton kernels (fewer, leaner launches per layer)
+    "layer-kernels": ["--layer-kernels"],
+    # the decode kernel's programs ordered longest sequence first
+    "longest-first": ["--decode-launch", "64,4,2,1,1"],
+    # the four above together
+    "all-candidates": ["--decode-launch", "64,4,4,1,1", "--fused-lm-head", "--layer-kernels"],
+}
+"""Rows of nano-vllm's workload on qwen3-0.6b beside the default launch: each a `slipstream bench rollout` setting
+not yet the default, measured against it in one run."""
+
+
 def rollout_rows(quick: bool) -> list[Row]:
     """`slipstream bench rollout`: the builtin engine against the memory-bandwidth bound on the fixed shape
     (qwen3-1.7b, 512 + 512 tokens, batch 64 and 256, Triton and FlashAttention decode), with transformers'
-    generate at batch 256; W1's budgets; nano-vllm's workload on qwen3-0.6b (also with a 4-stage decode launch)
-    and qwen3-1.7b. First and repeated calls."""
+    generate at batch 256; W1's budgets; nano-vllm's workload on qwen3-0.6b (also with each setting of
+    NANOVLLM_06B_VARIANTS) and qwen3-1.7b. First and repeated calls."""
     base = ["-m", "slipstream.cli", "bench", "rollout"]
     if quick:  # the tiny preset on the CPU, eager: the plumbing
         tiny = [*base, "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs"]
@@ -394,19 +410,8 @@ def rollout_rows(quick: bool) -> list[Row]:
         "fixed-qwen3-1.7b": (["--decode-attention", "triton,flash", "--peer", "hf", "--peer-batch", "256"], 420),
         "w1-qwen3-1.7b": (["--workload", "w1"], 120),
         "nanovllm-qwen3-0.6b": (["--workload", "nanovllm", "--preset", "qwen3-0.6b"], 90),
-        # the decode kernel with 4 pipeline stages (faster on big batches in the launch sweep), against the default
-        "nanovllm-qwen3-0.6b-stages-4": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
-                                          "64,4,4,1"], 90),  # fmt: skip
-        # the LM head inside the sampling kernel (no fp32 logits in memory), against the default
-        "nanovllm-qwen3-0.6b-fused-lm-head": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--fused-lm-head"], 90),
-        # the norms, RoPE, cache write and SwiGLU activation in Triton kernels (fewer, leaner launches per layer)
-        "nanovllm-qwen3-0.6b-layer-kernels": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--layer-kernels"], 90),
-        # the decode kernel's programs ordered longest sequence first
-        "nanovllm-qwen3-0.6b-longest-first": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
-                                               "64,4,2,1,1"], 90),  # fmt: skip
-        # the four above together
-        "nanovllm-qwen3-0.6b-all-candidates": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", "--decode-launch",
-                                                "64,4,4,1,1", "--fused-lm-head", "--layer-kernels"], 90),  # fmt: skip
+        **{f"nanovllm-qwen3-0.6b-{name}": (["--workload", "nanovllm", "--preset", "qwen3-0.6b", *flags], 90)
+           for name, flags in NANOVLLM_06B_VARIANTS.items()},
         "nanovllm-qwen3-1.7b": (["--workload", "nanovllm"], 120),
     }
     return [Row(n, lambda a=a, t=t: command_row([*base, *a, "--out"], out_json=True, timeout_s=3 * t), t)
