@@ -26,6 +26,12 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
+def available_bytes(device: torch.device) -> int:
+    """Device memory a new allocation can get: free on the device plus reserved by torch's allocator but unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def plan_slots(
     cfg: ModelConfig,
     slot_len: int,
@@ -36,13 +42,15 @@ def plan_slots(
 ) -> int:
     """How many slots of `slot_len` tokens to allocate: at most `max_slots`, within the memory budget.
 
-    On CUDA the budget is `memory_fraction` of the device memory free right now; on the CPU the
-    slots asked for are allocated. Raises ValueError naming the settings when not even one fits.
+    On CUDA the budget is `memory_fraction` of the device memory free right now, counting what torch's caching
+    allocator holds unused (a cache dropped for longer slots, a previous call's activations: the allocator
+    returns it to the device when a new allocation needs it); on the CPU the slots asked for are allocated.
+    Raises ValueError naming the settings when not even one fits.
     """
     if device.type != "cuda":
         return max_slots
     per_slot = slot_len * kv_bytes_per_token(cfg, dtype)
-    free, _ = torch.cuda.mem_get_info(device)
+    free = available_bytes(device)
     fit = int(free * memory_fraction) // per_slot - 1  # one slot's worth is the scratch slot
     if fit < 1:
         raise ValueError(

@@ -16,7 +16,7 @@ from slipstream.models.transformer import Transformer
 from slipstream.rollout.base import RolloutEngine, SamplingParams
 from slipstream.rollout.builtin import BuiltinRollout
 from slipstream.rollout.core import decode_buckets
-from slipstream.rollout.kv_cache import SlotCache
+from slipstream.rollout.kv_cache import SlotCache, kv_bytes_per_token, plan_slots
 from slipstream.rollout.sampler import (
     _mix32_int,
     as_int32,
@@ -337,6 +337,25 @@ def test_slot_cache_copies_prefixes_and_recycles_slots():
     assert cache.allocate(1) == [b]
     with pytest.raises(ValueError, match="free"):
         cache.allocate(1)
+
+
+def test_cache_plan_counts_memory_the_allocator_holds_unused(monkeypatch):
+    """A cache dropped for longer slots stays reserved by torch's allocator: the next plan must count it, or every
+    reallocation shrinks the cache by the size of the one before."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * gib)
+    cuda = torch.device("cuda")
+    per_slot = 1024 * kv_bytes_per_token(CFG, torch.bfloat16)
+    expected = int(28 * gib * 0.5) // per_slot - 1  # (10 free + 18 reserved unused) x fraction, less the scratch slot
+    assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5) == expected
+    assert plan_slots(CFG, 1024, 7, cuda, torch.bfloat16, 0.5) == 7
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    with pytest.raises(ValueError, match="rollout.gpu_memory_fraction"):
+        plan_slots(CFG, 1024, 8, cuda, torch.bfloat16, 0.5)
 
 
 def test_decode_buckets_cover_every_batch_size():
