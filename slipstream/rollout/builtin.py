@@ -137,11 +137,24 @@ class BuiltinRollout:
     # ------------------------------------------------------------------ generation
     def warmup(self, sampling: SamplingParams) -> float:
         """Compile the layer halves and the sampler on a throwaway request (dynamic shapes: once for every
-        later shape); returns the seconds it took. Without it the first generation pays for it."""
+        later shape), and on CUDA run one prefill forward of the whole `prefill_tokens` budget; returns the
+        seconds it took. Without it the first generation pays for it."""
         start = time.perf_counter()
         self.generate([[1, 2, 3, 4]], replace(sampling, n=3, max_new_tokens=4), keys=[-1])
+        if self.device.type == "cuda":
+            self.fill_prefill_budget(sampling)
         self.startup_s += time.perf_counter() - start
         return time.perf_counter() - start
+
+    def fill_prefill_budget(self, sampling: SamplingParams) -> None:
+        """One prefill forward of exactly `prefill_tokens` tokens (throwaway prompts, one new token each): the kernels
+        of large token counts load and the allocator holds their activations' memory, as after any real step.
+        Up to as many prompts as the engine has rows, so the cache needs no more slots than it has anyway."""
+        rows = self.max_batch_size
+        each, extra = divmod(self.prefill_tokens, rows)
+        lengths = [min(each + (i < extra), self.cfg.max_position_embeddings - 1) for i in range(rows)]
+        prompts = [[t % self.cfg.vocab_size for t in range(n)] for n in lengths if n]
+        self.generate(prompts, replace(sampling, n=1, max_new_tokens=1), keys=[-1] * len(prompts))
 
     def generate(
         self,

@@ -509,3 +509,18 @@ def test_compiled_residual_adds_are_not_folded_into_the_projection_gemms():
         )
     source = "\n".join(code)
     assert source.count("extern_kernels.mm(") == 3 and "addmm" not in source  # o_proj, gate/up, down
+
+
+@pytest.mark.parametrize("rows, budget", [(8, 64), (3, 50)])
+def test_warmup_prefill_is_one_forward_of_the_whole_token_budget(rows, budget):
+    """The CUDA warm-up's prefill fills one forward with `prefill_tokens` tokens (the shapes whose kernels and
+    activation memory a first timed call would otherwise pay for), then the engine still generates."""
+    engine = _engine(max_batch_size=rows, prefill_tokens=budget)
+    tokens_per_forward = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda cache, input_ids, *a, **k: (  # noqa: E731
+        tokens_per_forward.append(len(input_ids)) or forward(cache, input_ids, *a, **k)
+    )
+    engine.fill_prefill_budget(SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert tokens_per_forward == [budget]
+    assert _ids(engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=3), keys=[0, 1]))
