@@ -46,6 +46,7 @@ class BuiltinRollout:
         decode_steps_per_sync: int = 16,
         decode_attention: str = "triton",
         on_weight_update: str = "keep",
+        overlap_decode: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -58,6 +59,7 @@ class BuiltinRollout:
         self.memory_fraction = gpu_memory_fraction
         self.prefill_tokens = prefill_tokens
         self.ring = decode_steps_per_sync
+        self.overlap_decode = overlap_decode
         self.version = 0
         if on_weight_update not in ("keep", "reprefill"):
             raise ValueError(f"on_weight_update must be keep or reprefill, got {on_weight_update!r}")
@@ -247,6 +249,8 @@ class BuiltinRollout:
             self.runner.drop_graphs()
             slots = plan_slots(self.cfg, slot_len, wanted, self.device, self.dtype, self.memory_fraction)
             self.cache = SlotCache(self.cfg, slots, slot_len, self.device, self.dtype)
-            self.core = EngineCore(self.runner, self.cache, self.seed, self.prefill_tokens, self.ring)
+            self.core = EngineCore(
+                self.runner, self.cache, self.seed, self.prefill_tokens, self.ring, overlap=self.overlap_decode
+            )  # fmt: skip
         assert self.core is not None
         return self.core

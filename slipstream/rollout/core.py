@@ -27,7 +27,7 @@ import torch
 
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.kv_cache import SlotCache
-from slipstream.rollout.model_runner import DecodeState, ModelRunner
+from slipstream.rollout.model_runner import DecodeState, ModelRunner, PendingRead
 from slipstream.rollout.sampler import row_seed, sampling_mode
 
 
@@ -57,6 +57,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    planned: int = 0
+    """Tokens sampled or on their way: len(tokens) plus this sequence's share of the rings not yet read."""
 
     @property
     def budget(self) -> int:
@@ -83,6 +85,20 @@ class EngineStats:
     this is a lower bound on the time the device waited for the host."""
 
 
+@dataclass
+class _Ring:
+    """Decode steps queued on the device whose outputs the host has not read yet."""
+
+    rows: list[Sequence]
+    """The sequence of each row, in the device state's order when the ring was queued."""
+    steps: int
+    version: int
+    """Policy version of the weights the ring runs with (a weight sync is queued after it)."""
+    outputs: PendingRead
+    span: tuple | None
+    """CUDA events around the ring's graph replays (ModelRunner.run_decode)."""
+
+
 def decode_buckets(max_rows: int) -> list[int]:
     """Batch sizes that get a CUDA graph: fine steps where the batch is small (the long tail of an RL
     step), coarser ones above. A batch runs in the smallest bucket that holds it."""
@@ -93,14 +109,22 @@ def decode_buckets(max_rows: int) -> list[int]:
 class EngineCore:
     """Schedules sequences over a `SlotCache` and runs them with a `ModelRunner`."""
 
-    def __init__(self, runner: ModelRunner, cache: SlotCache, seed: int, prefill_tokens: int, ring: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, cache: SlotCache, seed: int, prefill_tokens: int, ring: int, overlap: bool = False
+    ) -> None:
         self.runner, self.cache = runner, cache
         self.seed, self.prefill_tokens, self.ring = seed, prefill_tokens, ring
+        self.overlap = overlap
+        """Queue the next ring of decode steps before reading the last one (see `step`)."""
         self.state = DecodeState(cache.num_slots, ring, runner.device)
         self.buckets = decode_buckets(cache.num_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._reload = True  # the running set changed since the device state was loaded
+        self._reload = True  # the running set changed since the device state was loaded from the host
+        self._inflight: deque[_Ring] = deque()  # rings queued on the device, oldest first, not yet read
+        self._device_rows: list[Sequence] = []  # the sequences of the device state's rows, in order
+        self._half = 0  # the half of the output ring the next ring writes
+        self._ready: list[Sequence] = []  # finished while reading rings outside `step` (drain)
         self.version = 0
         self.sampling = SamplingParams()
         self.mode = sampling_mode(self.sampling)
@@ -127,18 +151,26 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ready)
 
     # ------------------------------------------------------------------ one scheduling step
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """Prefill newly admitted groups if any can start, else decode; returns the sequences that finished.
 
-        Each step ends with one device-to-host copy (the sampled tokens), so its wall time is its
-        device time; graph captures inside it are counted apart (ModelRunner.capture_s).
+        A decode step reads one ring of up to `ring` decode steps: one wait for the device, so a step's wall
+        time is its device time (graph captures inside it are counted apart, ModelRunner.capture_s). With
+        `overlap`, while no request waits for a slot, the step queues the next ring before it reads this
+        one: the device decodes on while the host looks at the tokens. The next ring then runs every row
+        that has budget left, those that stopped in the ring being read included (their tokens are dropped),
+        and leaves out the ones finished before; admission and `drain` wait for the queued rings first.
         """
         start, capture = time.perf_counter(), self.runner.capture_s
-        if self.waiting and self.cache.num_free:
+        self._drop_dead_rings()
+        if self._ready:
+            finished, self._ready = self._ready, []
+            return finished
+        if self.waiting and self.cache.num_free and not self._inflight:
             admitted = self._admit()
             if admitted:
                 finished = self._prefill(admitted)
@@ -150,6 +182,18 @@ class EngineCore:
             self.stats.decode_s += time.perf_counter() - start - (self.runner.capture_s - capture)
             return finished
         return []
+
+    def drain(self) -> None:
+        """Read every queued ring (the host then knows every sampled token); what finished, `step` returns."""
+        self._drop_dead_rings()
+        while self._inflight:
+            self._ready.extend(self._read_ring())
+
+    def _drop_dead_rings(self) -> None:
+        """Forget queued rings whose rows have all finished (stopped in an earlier ring): nothing to read. The
+        device work they queued stays ordered before anything queued later."""
+        while self._inflight and all(seq.finish_reason for seq in self._inflight[0].rows):
+            self._inflight.popleft()
 
     def _admit(self) -> list[list[Sequence]]:
         """Groups (samples of one request, in order) that take free slots now, within the prefill budget."""
@@ -175,6 +219,7 @@ class EngineCore:
     def refresh_kv(self) -> None:
         """Recompute the keys and values of every running sequence (prompt + all but its last token) with the
         current weights, after a weight update: the next tokens then depend on the new weights only."""
+        self.drain()
         if self.running:
             self._prefill_prompts([(s.slot, s.request.prompt + tuple(s.tokens[:-1])) for s in self.running])
 
@@ -244,9 +289,28 @@ class EngineCore:
 
     # ------------------------------------------------------------------ decode
     def _decode(self) -> list[Sequence]:
-        rows = self.running
+        """Read the oldest queued ring (queueing one first if none is), and with `overlap` queue the next
+        before reading it, unless a request waits for a slot (the rows freed now take it next step)."""
+        if not self._inflight:
+            self._launch()
+        if self.overlap and not self.waiting:
+            self._launch()
+        return self._read_ring()
+
+    def _launch(self) -> None:
+        """Queue one ring of decode steps on the device, for every row with budget left; no host sync."""
+        if self._inflight:  # the device's rows have run on past what the host has read: move them there
+            rows = [s for s in self._device_rows if s.finish_reason is None and s.planned < s.budget]
+        else:
+            rows = self.running
+        if not rows:
+            return
         bucket = self.buckets[bisect.bisect_left(self.buckets, len(rows))]
-        if self._reload:
+        if self._inflight:
+            if len(rows) != len(self._device_rows):
+                at = {id(s): i for i, s in enumerate(self._device_rows)}
+                self.state.compact([at[id(s)] for s in rows], bucket, self.cache)
+        elif self._reload:
             self.state.load(
                 {
                     "input_ids": [s.tokens[-1] for s in rows],
@@ -258,35 +322,51 @@ class EngineCore:
                 bucket,
                 self.cache,
             )  # fmt: skip
-            self._reload = False
-        else:
-            self.state.step.zero_()
+        self._reload = False
         # no more steps than the longest remaining budget needs
-        steps = min(self.ring, max(s.budget - len(s.tokens) for s in rows))
-        self.runner.run_decode(self.cache, self.state, bucket, self.mode, steps)
+        steps = min(self.ring, max(s.budget - s.planned for s in rows))
+        half, self._half = self._half, 1 - self._half
+        self.state.start_ring(half)
+        span = self.runner.run_decode(self.cache, self.state, bucket, self.mode, steps)
+        pending = self.state.read(len(rows), steps, half)
+        for s in rows:
+            s.planned = min(s.budget, s.planned + steps)
+        self._inflight.append(_Ring(list(rows), steps, self.version, pending, span))
+        self._device_rows = self._inflight[-1].rows
         self.stats.decode_steps += steps
         self.stats.decode_row_steps += steps * len(rows)
-        tokens, logprobs = self.state.read(len(rows), steps)
-        self.stats.decode_device_s += self.runner.take_replay_seconds()
-        return self._append(rows, tokens, logprobs)
 
-    def _append(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Sequence]:
+    def _read_ring(self) -> list[Sequence]:
+        ring = self._inflight.popleft()
+        tokens, logprobs = ring.outputs.wait()
+        if ring.span is not None:
+            self.stats.decode_device_s += ring.span[0].elapsed_time(ring.span[1]) / 1e3
+        return self._append(ring.rows, tokens, logprobs, ring.version)
+
+    def _append(
+        self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int | None = None
+    ) -> list[Sequence]:
         """Append each sequence's new tokens (row i of the CPU tensors (len(seqs), k): int64 tokens, fp32
-        log-probs) up to and including a stop token, or up to its budget; release finished slots.
+        log-probs, sampled by policy `version`, the current one by default) up to and including a stop token,
+        or up to its budget; release finished slots. Sequences finished before take nothing.
 
-        The host works on this while the device waits, once per ring of k decode steps: the stop search
-        is one vectorised pass and each sequence takes its tokens as one slice."""
+        The host works on this once per ring of k decode steps (while the device waits, unless the next ring
+        is queued): the stop search is one vectorised pass and each sequence takes its tokens as one slice."""
+        version = self.version if version is None else version
         k = tokens.shape[1]
         hits = torch.isin(tokens, self._stop_ids)  # all False without stop tokens
         first_stop = torch.where(hits.any(1), hits.to(torch.int8).argmax(1), k).tolist()
         token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         finished = []
         for seq, toks, lps, stop_at in zip(seqs, token_rows, logprob_rows, first_stop):
+            if seq.finish_reason:
+                continue
             room = seq.budget - len(seq.tokens)
             n = min(k, room, stop_at + 1)
             seq.tokens.extend(toks[:n])
             seq.logprobs.extend(lps[:n])
-            seq.versions.extend([self.version] * n)
+            seq.versions.extend([version] * n)
+            seq.planned = max(seq.planned, len(seq.tokens))
             if stop_at < n:  # the stop token is within the budget (it wins over the budget at the same token)
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.budget:

@@ -195,7 +195,6 @@ class ModelRunner:
         self._pool = None
         self.capture_s = 0.0
         """Seconds spent capturing decode graphs (with their warm-up runs, which compile new shapes)."""
-        self._replay_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -276,12 +275,19 @@ class ModelRunner:
         s.token_index[:batch].add_(1)
         s.step.add_(1)
 
-    def run_decode(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple, steps: int) -> None:
-        """`steps` decode steps for `batch` rows (padded to its bucket by the caller); graphs on CUDA."""
+    def run_decode(
+        self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple, steps: int
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """`steps` decode steps for `batch` rows (padded to its bucket by the caller); graphs on CUDA.
+
+        Returns CUDA events around the replays (None without graphs): their elapsed time, read once the host
+        has waited for the replays, is the ring's device time. The decode's wall time less the sum over rings
+        is a lower bound on the time the device waited for the host (its looks at the tokens, slot reuse,
+        launches); a span also holds any gap between two replays of the ring."""
         if not self.cuda_graphs:
             for _ in range(steps):
                 self.decode_step(cache, state, batch, mode)
-            return
+            return None
         graph = self.graphs.get((batch, mode))
         if graph is None:
             graph = self._capture(cache, state, batch, mode)
@@ -291,16 +297,7 @@ class ModelRunner:
         for _ in range(steps):
             graph.replay()
         end.record(stream)
-        self._replay_spans.append((start, end))
-
-    def take_replay_seconds(self) -> float:
-        """Device seconds from the first to the last graph replay of each `run_decode` since the last call
-        (0 without graphs). The decode's wall time less this is a lower bound on the time the device waited
-        for the host (its looks at the tokens every ring, slot reuse, launches): a span also holds any gap
-        between two replays of a ring. Call once the host has waited for those replays (reading their
-        tokens does)."""
-        spans, self._replay_spans = self._replay_spans, []
-        return sum(start.elapsed_time(end) for start, end in spans) / 1e3
+        return start, end
 
     def _capture(self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple) -> torch.cuda.CUDAGraph:
         """Capture one decode step of `batch` rows. The warm-up runs on a copy of the live state, so
@@ -335,7 +332,6 @@ class ModelRunner:
         """Forget the captured graphs (the cache or the state buffers they point at are gone)."""
         self.graphs.clear()
         self._pool = None
-        self._replay_spans.clear()  # a decode cut short (an error) must not count in a later one
 
     def refuse(self, shapes: dict[str, torch.Size] | None = None) -> None:
         """Fuse the projections again after the model moved, or allocate the fused storages at `shapes`
@@ -349,7 +345,9 @@ class DecodeState:
 
     Row r decodes the sequence in cache slot `bases[r] / slot_len`: its next input token, that
     token's position (= its row in the slot), its 32-bit sampling seed and the index of the
-    response token being sampled. `out_tokens` / `out_logprobs` (k, rows) take one row per step.
+    response token being sampled. `out_tokens` / `out_logprobs` (2k, rows) take one row per step, at
+    `step`: a ring of up to k steps starts at row 0 or k (`start_ring`), so the host can read one ring's
+    outputs while the next ring writes the other half.
     """
 
     def __init__(self, max_rows: int, ring: int, device: torch.device) -> None:
@@ -362,7 +360,8 @@ class DecodeState:
         self.seqused = zeros(max_rows, dtype=torch.int32)
         self.cu_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # one query per row
         self.cu_k = zeros(max_rows + 1, dtype=torch.int32)  # [:rows] = bases; the last entry is never read
-        self.out_tokens, self.out_logprobs = zeros(ring, max_rows), zeros(ring, max_rows, dtype=torch.float32)
+        self.out_tokens = zeros(2 * ring, max_rows)
+        self.out_logprobs = zeros(2 * ring, max_rows, dtype=torch.float32)
         self.step = zeros(1)
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
@@ -380,13 +379,33 @@ class DecodeState:
         for i, name in enumerate(self._ROW_FIELDS):
             getattr(self, name)[:bucket].copy_(packed[i])
         self.cu_k[:bucket].copy_(packed[self._ROW_FIELDS.index("bases")])
-        self.step.zero_()
+
+    def compact(self, keep: list[int], bucket: int, cache: SlotCache) -> None:
+        """Rows keep[i] move to row i, on the device (the host need not know their latest tokens: a ring still
+        running may have advanced them); rows len(keep) up to `bucket` point at the scratch slot."""
+        index = torch.tensor(keep, dtype=torch.int64)
+        if self.input_ids.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.input_ids.device, non_blocking=True)
+        n = len(keep)
+        for name in self._ROW_FIELDS:
+            field = getattr(self, name)
+            field[:n] = field.index_select(0, index)
+        self.cu_k[:n] = self.bases[:n]
+        self._pad(cache, n, bucket)
+
+    def _pad(self, cache: SlotCache, start: int, end: int) -> None:
+        for name in self._ROW_FIELDS:
+            getattr(self, name)[start:end].zero_()
+        self.bases[start:end].fill_(cache.base(cache.scratch_slot))
+        self.cu_k[start:end].fill_(cache.base(cache.scratch_slot))
+
+    def start_ring(self, half: int) -> None:
+        """The next decode step writes its outputs at row 0 (half 0) or k (half 1) of the output ring."""
+        self.step.fill_(half * self.ring)
 
     def point_at_scratch(self, cache: SlotCache, rows: int) -> None:
-        for name in self._ROW_FIELDS:
-            getattr(self, name)[:rows].zero_()
-        self.bases[:rows].fill_(cache.base(cache.scratch_slot))
-        self.cu_k[:rows].fill_(cache.base(cache.scratch_slot))
+        self._pad(cache, 0, rows)
         self.step.zero_()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -396,13 +415,31 @@ class DecodeState:
         for name, value in saved.items():
             getattr(self, name).copy_(value)
 
-    def read(self, rows: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring's first `steps` outputs of the first `rows` rows, as CPU tensors (rows, steps): tokens
-        int64, log-probs fp32.
+    def read(self, rows: int, steps: int, half: int) -> "PendingRead":
+        """Queue the copy to the host of the first `rows` rows' `steps` outputs in `half` of the ring (after the
+        work queued so far); `wait()` on the result returns them.
 
-        Tokens and the bits of the fp32 log-probs travel in one int32 tensor: one device sync.
+        Tokens and the bits of the fp32 log-probs travel in one int32 tensor: one copy, one wait.
         """
-        both = torch.stack(
-            [self.out_tokens[:steps, :rows].to(torch.int32), self.out_logprobs[:steps, :rows].view(torch.int32)]
-        ).cpu()
-        return both[0].t().to(torch.int64), both[1].view(torch.float32).t()
+        at = slice(half * self.ring, half * self.ring + steps)
+        both = torch.stack([self.out_tokens[at, :rows].to(torch.int32), self.out_logprobs[at, :rows].view(torch.int32)])
+        if both.device.type != "cuda":
+            return PendingRead(both, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(both.device))
+        return PendingRead(host, done)
+
+
+class PendingRead:
+    """A ring's outputs on their way to the host (a pinned buffer and the event of its copy)."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self.host, self.done = host, done
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU tensors (rows, steps): tokens int64, log-probs fp32; waits for the copy, not for later work."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[0].t().to(torch.int64), self.host[1].view(torch.float32).t()

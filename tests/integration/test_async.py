@@ -39,10 +39,16 @@ def _run(trainer: RLTrainer, steps: int) -> list[dict]:
     return metrics
 
 
-def test_async_with_zero_staleness_equals_sync(tmp_path):
+# longer responses, several decode rings each: the async run queues each ring before reading the last
+OVERLAPPED = (("rollout.max_new_tokens=6", "rollout.decode_steps_per_sync=2"), ("rollout.overlap_decode=true",))
+
+
+@pytest.mark.parametrize("both, async_only", [((), ()), OVERLAPPED])
+def test_async_with_zero_staleness_equals_sync(tmp_path, both, async_only):
     runs = {}
     for mode in ("sync", "async"):
-        trainer = _trainer(tmp_path / mode, f"trainer.mode={mode}", "trainer.max_staleness=0")
+        extra = (*both, *async_only) if mode == "async" else both
+        trainer = _trainer(tmp_path / mode, f"trainer.mode={mode}", "trainer.max_staleness=0", *extra)
         batches = _record_batches(trainer)
         metrics = _run(trainer, 4)
         weights = {n: t.clone() for n, t in trainer.engine.export_weights()}

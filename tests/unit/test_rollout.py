@@ -221,27 +221,29 @@ def test_sleep_frees_the_weights_and_the_next_update_brings_them_back():
     assert engine.model.layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr() == fused_qkv.untyped_storage().data_ptr()
 
 
-def test_weights_changed_between_steps_tag_tokens_with_versions():
-    engine = _engine(max_batch_size=4, decode_steps_per_sync=2)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_weights_changed_between_steps_tag_tokens_with_versions(overlap):
+    engine = _engine(max_batch_size=4, decode_steps_per_sync=2, overlap_decode=overlap)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     core = engine._core_for(16, 1)
     core.configure(sampling, engine.version)
     from slipstream.rollout.core import Request
 
-    core.add([Request((1, 17, 23), (6,), key=0)])
+    core.add([Request((1, 17, 23), (8,), key=0)])
     core.step()  # prefill: token 0
-    core.step()  # decode: tokens 1, 2
+    core.step()  # decode: tokens 1, 2 (overlapped: tokens 3, 4 are queued before they are read)
     engine.update_weights(iter_hf_weights(_weights(7)), version=4)
     finished = []
     while core.has_work:
         finished += core.step()
     (seq,) = finished
-    assert seq.versions == [3, 3, 3, 4, 4, 4]
+    old_tokens = 5 if overlap else 3  # a ring queued before the update runs with the old weights
+    assert seq.versions == [3] * old_tokens + [4] * (8 - old_tokens)
     # the first tokens are the old weights' greedy ones; the new weights change what follows (the
     # prefix keeps its cached keys / values from the old weights, so the continuation is not a fresh
     # forward of the new model)
     old = _engine().generate([[1, 17, 23]], sampling)[0][0].response_ids
-    assert tuple(seq.tokens[:3]) == old[:3] and tuple(seq.tokens[3:]) != old[3:]
+    assert tuple(seq.tokens[:old_tokens]) == old[:old_tokens] and tuple(seq.tokens[old_tokens:]) != old[old_tokens:]
 
 
 def test_filter_logits_hand_computed():
@@ -375,12 +377,14 @@ def test_sampling_params_validation():
         _engine().generate([[]], SamplingParams())
 
 
-def test_reprefill_on_weight_update_makes_later_tokens_the_new_policy_s():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reprefill_on_weight_update_makes_later_tokens_the_new_policy_s(overlap):
     """rollout.on_weight_update=reprefill: in-flight samples recompute their prefix with the new weights, so
-    each token and its behaviour log-prob come from exactly the policy version it is tagged with."""
+    each token and its behaviour log-prob come from exactly the policy version it is tagged with (overlapped,
+    the queued ring is read first: its tokens are the old weights')."""
     from slipstream.rollout.core import Request
 
-    engine = _engine(max_batch_size=4, decode_steps_per_sync=2, on_weight_update="reprefill")
+    engine = _engine(max_batch_size=4, decode_steps_per_sync=2, on_weight_update="reprefill", overlap_decode=overlap)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=7)
     old_model = Transformer(CFG)
     old_model.load_state_dict(engine.model.state_dict())
@@ -395,7 +399,7 @@ def test_reprefill_on_weight_update_makes_later_tokens_the_new_policy_s():
     while core.has_work:
         finished += core.step()
     for seq in finished:
-        assert seq.versions == [3, 3, 3, 4, 4, 4, 4]
+        assert seq.versions == ([3] * 5 + [4] * 2 if overlap else [3] * 3 + [4] * 4)
         ids = [1, 17, 23, *seq.tokens]
         for j, (tok, lp, version) in enumerate(zip(seq.tokens, seq.logprobs, seq.versions)):
             model = old_model if version == 3 else new
@@ -524,3 +528,53 @@ def test_warmup_prefill_is_one_forward_of_the_whole_token_budget(rows, budget):
     engine.fill_prefill_budget(SamplingParams(temperature=1.0, max_new_tokens=4))
     assert tokens_per_forward == [budget]
     assert _ids(engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=3), keys=[0, 1]))
+
+
+def _samples(out):
+    return [[(s.response_ids, s.behav_logprobs, s.finish_reason, s.token_versions) for s in g] for g in out]
+
+
+@pytest.mark.parametrize("slots,ring,prefill", [(16, 3, 64), (4, 2, 5), (3, 16, 64), (1, 1, 4)])
+def test_overlapped_decode_samples_exactly_what_the_one_ring_at_a_time_decode_does(slots, ring, prefill):
+    """rollout.overlap_decode queues the next ring before reading the last (rows that stopped run on, their
+    tokens dropped; compaction on the device): the samples, log-probs, finish reasons and versions stay the same,
+    with stop tokens, mixed budgets and more samples than slots (admission between rings)."""
+    budgets = [[6, 2, 9], [1, 5, 3], [4, 4, 8], [3, 7, 1], [2, 6, 5]]
+    base = _engine(max_batch_size=slots, decode_steps_per_sync=ring, prefill_tokens=prefill)
+    free_run = _ids(base.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=9, n=3), budgets=budgets))
+    stops = [free_run[0][0][1], free_run[2][2][4]]  # tokens the samples do produce: some stop early
+    for sampling in (SamplingParams(temperature=1.0, max_new_tokens=9, n=3, stop_token_ids=stops),
+                     SamplingParams(temperature=0.0, max_new_tokens=9, n=3)):  # fmt: skip
+        expected = base.generate(PROMPTS, sampling, budgets=budgets, keys=[7, 8, 9, 10, 11])
+        overlapped = _engine(max_batch_size=slots, decode_steps_per_sync=ring, prefill_tokens=prefill,
+                             overlap_decode=True)  # fmt: skip
+        got = overlapped.generate(PROMPTS, sampling, budgets=budgets, keys=[7, 8, 9, 10, 11])
+        assert _samples(got) == _samples(expected)
+        assert any(s.finish_reason == "stop" for g in expected for s in g) or not sampling.stop_token_ids
+        # and again on the same engine (rings left queued by the last call hold nothing to read)
+        again = overlapped.generate(PROMPTS[:2], sampling, budgets=budgets[:2], keys=[7, 8])
+        exact = lambda out: [[(s.response_ids, s.finish_reason, s.token_versions) for s in g] for g in out]  # noqa: E731
+        assert exact(again) == exact(expected[:2])
+        for a, b in zip(sum(again, []), sum(expected[:2], [])):  # another crowd: GEMM blocking moves the last bits
+            torch.testing.assert_close(torch.tensor(a.behav_logprobs), torch.tensor(b.behav_logprobs), atol=1e-5, rtol=0)
+
+
+def test_overlapped_decode_queues_the_next_ring_before_reading_the_last(monkeypatch):
+    """The order of device work and host reads: with overlap, ring i + 1 is queued before ring i is read while
+    no request waits for a slot; while some wait, each ring is read before the next is queued."""
+    from slipstream.rollout import model_runner
+
+    events = []
+    wait = model_runner.PendingRead.wait
+    monkeypatch.setattr(model_runner.PendingRead, "wait", lambda self: events.append("read") or wait(self))
+    engine = _engine(max_batch_size=2, decode_steps_per_sync=2, overlap_decode=True)
+    run_decode = engine.runner.run_decode
+    engine.runner.run_decode = lambda *a: events.append("ring") or run_decode(*a)  # noqa: E731
+    # 2 slots, 2 prompts: nothing waits once both are in; budgets of 9 = 4 rings after the prefill's token
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=9))
+    assert events == ["ring", "ring", "read", "ring", "read", "ring", "read", "read"]
+    events.clear()
+    # 3 prompts for 2 slots: the third waits until the first frees its slot, so the first ring is read before
+    # the next is queued; then nothing waits
+    engine.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_new_tokens=5), budgets=[[3], [5], [5]])
+    assert events == ["ring", "read", "ring", "ring", "read", "read"]
