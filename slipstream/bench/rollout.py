@@ -210,6 +210,7 @@ def bench_rollout(
     decode_attention: tuple[str, ...] = ("triton",),
     peer_batches: tuple[int, ...] | None = None,
     steps_per_sync: int = 16,
+    overlap_decode: bool = False,
     log=print,
     on_row=None,
 ) -> list[dict]:
@@ -233,6 +234,7 @@ def bench_rollout(
         engine = BuiltinRollout(
             cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
             gpu_memory_fraction=gpu_memory_fraction, decode_attention=kernel, decode_steps_per_sync=steps_per_sync,
+            overlap_decode=overlap_decode,
         )  # fmt: skip
         engine.warmup(sampling)
         _sync(dev)
@@ -240,7 +242,8 @@ def bench_rollout(
         log(f"[rollout] {preset} engine ({kernel} decode attention) ready in {warmup_s:.1f} s (weights, compile, warm-up)")
         settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
                     "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch."),
-                    "decode_steps_per_sync": steps_per_sync, "fused_lm_head": sampling_op.FUSED_HEAD and dev.type == "cuda",
+                    "decode_steps_per_sync": steps_per_sync, "overlap_decode": overlap_decode,
+                    "fused_lm_head": sampling_op.FUSED_HEAD and dev.type == "cuda",
                     "layer_kernels": engine.runner.layer_kernels}  # fmt: skip
         if kernel == "triton" and dev.type == "cuda":  # the launch (environment overrides included) the row ran with
             settings.update(
@@ -374,7 +377,7 @@ def run_rollout_command(args) -> int:
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile, profile_first=args.profile_first,
             decode_attention=tuple(args.decode_attention.split(",")),
             peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
-            steps_per_sync=args.steps_per_sync, on_row=write,
+            steps_per_sync=args.steps_per_sync, overlap_decode=args.overlap_decode, on_row=write,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

@@ -389,8 +389,10 @@ NANOVLLM_06B_VARIANTS = {
     "layer-kernels": ["--layer-kernels"],
     # the decode kernel's programs ordered longest sequence first
     "longest-first": ["--decode-launch", "64,4,2,1,1"],
-    # the four above together
-    "all-candidates": ["--decode-launch", "64,4,4,1,1", "--fused-lm-head", "--layer-kernels"],
+    # the next ring of decode steps queued before the host reads the last (the device does not wait for the host)
+    "overlap-decode": ["--overlap-decode"],
+    # the five above together
+    "all-candidates": ["--decode-launch", "64,4,4,1,1", "--fused-lm-head", "--layer-kernels", "--overlap-decode"],
 }
 """Rows of nano-vllm's workload on qwen3-0.6b beside the default launch: each a `slipstream bench rollout` setting
 not yet the default, measured against it in one run."""

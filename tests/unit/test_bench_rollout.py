@@ -72,3 +72,21 @@ def test_decode_idle_is_the_decode_wall_time_without_device_work():
     assert decode_idle({"decode_s": 5.0, "decode_device_s": 4.5}) == pytest.approx(0.1)
     assert decode_idle({"decode_s": 5.0, "decode_device_s": None}) is None  # no CUDA graphs: not measured
     assert decode_idle({"decode_s": 0.0, "decode_device_s": 0.0}) is None
+
+
+def test_overlap_decode_flag_reaches_the_engine(tmp_path):
+    """`--overlap-decode` on the CPU (tiny preset, eager): the row records it and generates every budgeted token
+    (run_builtin checks the count), first and repeated call alike."""
+    import json
+
+    from slipstream.cli import main
+
+    out = tmp_path / "rollout.json"
+    argv = ["bench", "rollout", "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs", "--batch",
+            "4", "--group", "2", "--prompt-len", "16", "--new-tokens", "8", "--steps-per-sync", "3", "--overlap-decode",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["call"] for r in rows] == ["first", "repeat"]
+    assert all(r["settings"]["overlap_decode"] and r["response_tokens"] == 4 * 8 for r in rows)
+    assert all(r["decode_steps"] == 8 - 1 for r in rows)  # the prefill samples the first token; 3 + 3 + 1 after
