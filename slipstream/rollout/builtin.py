@@ -140,11 +140,14 @@ class BuiltinRollout:
     def warmup(self, sampling: SamplingParams) -> float:
         """Compile the layer halves and the sampler on a throwaway request (dynamic shapes: once for every
         later shape), and on CUDA run one prefill forward of the whole `prefill_tokens` budget; returns the
-        seconds it took. Without it the first generation pays for it."""
+        seconds it took. Without it the first generation pays for it. The cache it used is dropped: the next
+        generation sizes its own."""
         start = time.perf_counter()
         self.generate([[1, 2, 3, 4]], replace(sampling, n=3, max_new_tokens=4), keys=[-1])
         if self.device.type == "cuda":
             self.fill_prefill_budget(sampling)
+        self.core = self.cache = None
+        self.runner.drop_graphs()
         self.startup_s += time.perf_counter() - start
         return time.perf_counter() - start
 

@@ -166,7 +166,6 @@ class EngineCore:
         and leaves out the ones finished before; admission and `drain` wait for the queued rings first.
         """
         start, capture = time.perf_counter(), self.runner.capture_s
-        self._drop_dead_rings()
         if self._ready:
             finished, self._ready = self._ready, []
             return finished
@@ -185,15 +184,8 @@ class EngineCore:
 
     def drain(self) -> None:
         """Read every queued ring (the host then knows every sampled token); what finished, `step` returns."""
-        self._drop_dead_rings()
         while self._inflight:
             self._ready.extend(self._read_ring())
-
-    def _drop_dead_rings(self) -> None:
-        """Forget queued rings whose rows have all finished (stopped in an earlier ring): nothing to read. The
-        device work they queued stays ordered before anything queued later."""
-        while self._inflight and all(seq.finish_reason for seq in self._inflight[0].rows):
-            self._inflight.popleft()
 
     def _admit(self) -> list[list[Sequence]]:
         """Groups (samples of one request, in order) that take free slots now, within the prefill budget."""
@@ -307,6 +299,9 @@ class EngineCore:
             return
         bucket = self.buckets[bisect.bisect_left(self.buckets, len(rows))]
         if self._inflight:
+            if self.runner.needs_capture(bucket, self.mode):
+                # a capture synchronises the device: the queued rings finish first, as decode time
+                self._inflight[-1].outputs.synchronize()
             if len(rows) != len(self._device_rows):
                 at = {id(s): i for i, s in enumerate(self._device_rows)}
                 self.state.compact([at[id(s)] for s in rows], bucket, self.cache)
@@ -339,9 +334,21 @@ class EngineCore:
     def _read_ring(self) -> list[Sequence]:
         ring = self._inflight.popleft()
         tokens, logprobs = ring.outputs.wait()
+        self._count_device_time(ring)
+        finished = self._append(ring.rows, tokens, logprobs, ring.version)
+        if not self.running:
+            # the rings still queued hold only rows that stopped (each ring's rows are a subset of the one before,
+            # and every running row is in all of them): nothing to read, but the engine is idle only once they
+            # have run (the cache and the state may be freed or handed to another stream next)
+            while self._inflight:
+                ring = self._inflight.popleft()
+                ring.outputs.synchronize()
+                self._count_device_time(ring)
+        return finished
+
+    def _count_device_time(self, ring: _Ring) -> None:
         if ring.span is not None:
             self.stats.decode_device_s += ring.span[0].elapsed_time(ring.span[1]) / 1e3
-        return self._append(ring.rows, tokens, logprobs, ring.version)
 
     def _append(
         self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int | None = None

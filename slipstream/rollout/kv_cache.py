@@ -27,9 +27,14 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def available_bytes(device: torch.device) -> int:
-    """Device memory a new allocation can get: free on the device plus reserved by torch's allocator but unused."""
+    """Device memory a new allocation can get: free on the device plus the segments torch's allocator holds with
+    no tensor in them (it returns those to the device when an allocation needs the room; the free pieces of a
+    segment still in use cannot back a large tensor, so they do not count)."""
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments = torch.cuda.memory_snapshot()
+    idle = sum(s["total_size"] for s in segments if s["device"] == index and not s["allocated_size"])
+    return free + idle
 
 
 def plan_slots(
@@ -42,9 +47,10 @@ def plan_slots(
 ) -> int:
     """How many slots of `slot_len` tokens to allocate: at most `max_slots`, within the memory budget.
 
-    On CUDA the budget is `memory_fraction` of the device memory free right now, counting what torch's caching
-    allocator holds unused (a cache dropped for longer slots, a previous call's activations: the allocator
-    returns it to the device when a new allocation needs it); on the CPU the slots asked for are allocated.
+    On CUDA the budget is `memory_fraction` of the device memory free right now, counting the segments torch's
+    caching allocator holds unused (a cache dropped for longer slots, a previous call's activations: the
+    allocator returns them to the device when a new allocation needs them); on the CPU the slots asked for
+    are allocated.
     Raises ValueError naming the settings when not even one fits.
     """
     if device.type != "cuda":

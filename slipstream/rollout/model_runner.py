@@ -275,6 +275,10 @@ class ModelRunner:
         s.token_index[:batch].add_(1)
         s.step.add_(1)
 
+    def needs_capture(self, batch: int, mode: tuple) -> bool:
+        """Whether the next `run_decode` of `batch` rows captures a graph first (and so synchronises the device)."""
+        return self.cuda_graphs and (batch, mode) not in self.graphs
+
     def run_decode(
         self, cache: SlotCache, state: "DecodeState", batch: int, mode: tuple, steps: int
     ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
@@ -438,8 +442,12 @@ class PendingRead:
     def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
         self.host, self.done = host, done
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """CPU tensors (rows, steps): tokens int64, log-probs fp32; waits for the copy, not for later work."""
+    def synchronize(self) -> None:
+        """Wait for the copy (and the work queued before it), not for later work."""
         if self.done is not None:
             self.done.synchronize()
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU tensors (rows, steps): tokens int64, log-probs fp32, once the copy is done."""
+        self.synchronize()
         return self.host[0].t().to(torch.int64), self.host[1].view(torch.float32).t()

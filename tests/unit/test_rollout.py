@@ -342,20 +342,25 @@ def test_slot_cache_copies_prefixes_and_recycles_slots():
 
 
 def test_cache_plan_counts_memory_the_allocator_holds_unused(monkeypatch):
-    """A cache dropped for longer slots stays reserved by torch's allocator: the next plan must count it, or every
-    reallocation shrinks the cache by the size of the one before."""
+    """A cache dropped for longer slots stays reserved by torch's allocator: the next plan must count its segment,
+    or every reallocation shrinks the cache by the size of the one before; free pieces of a segment still in use
+    (which cannot back a large tensor) and other devices' segments do not count."""
     gib = 2**30
+    segments = [
+        {"device": 0, "total_size": 16 * gib, "allocated_size": 0},  # the dropped cache
+        {"device": 0, "total_size": 2 * gib, "allocated_size": 0},  # a previous call's activations
+        {"device": 0, "total_size": 6 * gib, "allocated_size": 1 * gib},  # in use: its free 5 GiB cannot count
+        {"device": 1, "total_size": 9 * gib, "allocated_size": 0},  # another GPU
+    ]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * gib)
-    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)
+    cuda = torch.device("cuda", 0)
     per_slot = 1024 * kv_bytes_per_token(CFG, torch.bfloat16)
-    expected = int(28 * gib * 0.5) // per_slot - 1  # (10 free + 18 reserved unused) x fraction, less the scratch slot
+    expected = int(28 * gib * 0.5) // per_slot - 1  # (10 free + 18 idle) x fraction, less the scratch slot
     assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5) == expected
     assert plan_slots(CFG, 1024, 7, cuda, torch.bfloat16, 0.5) == 7
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     with pytest.raises(ValueError, match="rollout.gpu_memory_fraction"):
         plan_slots(CFG, 1024, 8, cuda, torch.bfloat16, 0.5)
 
@@ -527,6 +532,8 @@ def test_warmup_prefill_is_one_forward_of_the_whole_token_budget(rows, budget):
     )
     engine.fill_prefill_budget(SamplingParams(temperature=1.0, max_new_tokens=4))
     assert tokens_per_forward == [budget]
+    engine.warmup(SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert engine.cache is None and engine.startup_s > 0  # the next generation sizes its own cache
     assert _ids(engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=3), keys=[0, 1]))
 
 
@@ -551,6 +558,7 @@ def test_overlapped_decode_samples_exactly_what_the_one_ring_at_a_time_decode_do
         got = overlapped.generate(PROMPTS, sampling, budgets=budgets, keys=[7, 8, 9, 10, 11])
         assert _samples(got) == _samples(expected)
         assert any(s.finish_reason == "stop" for g in expected for s in g) or not sampling.stop_token_ids
+        assert not overlapped.core._inflight  # rings queued past the last look ran before generate returned
         # and again on the same engine (rings left queued by the last call hold nothing to read)
         again = overlapped.generate(PROMPTS[:2], sampling, budgets=budgets[:2], keys=[7, 8])
         exact = lambda out: [[(s.response_ids, s.finish_reason, s.token_versions) for s in g] for g in out]  # noqa: E731
@@ -578,3 +586,24 @@ def test_overlapped_decode_queues_the_next_ring_before_reading_the_last(monkeypa
     # the next is queued; then nothing waits
     engine.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_new_tokens=5), budgets=[[3], [5], [5]])
     assert events == ["ring", "read", "ring", "ring", "read", "read"]
+
+
+def test_a_ring_queued_past_the_last_stop_has_run_before_the_engine_is_idle(monkeypatch):
+    """The last running sample stops in the ring being read while the next ring is queued: that ring holds only
+    stopped rows (nothing to read), but the engine reports no work only after it has run, since the cache and the
+    decode state may be freed or handed to another stream next."""
+    from slipstream.rollout import model_runner
+
+    engine = _engine(max_batch_size=2, decode_steps_per_sync=1, overlap_decode=True)
+    free = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=9))[0][0].response_ids
+    j = next(i for i in range(1, 9) if free[i] not in free[:i])
+    calls = []
+    sync, wait = model_runner.PendingRead.synchronize, model_runner.PendingRead.wait
+    monkeypatch.setattr(model_runner.PendingRead, "synchronize", lambda self: calls.append("sync") or sync(self))
+    monkeypatch.setattr(model_runner.PendingRead, "wait", lambda self: calls.append("read") or wait(self))
+    stopping = SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=[free[j]])
+    [[sample]] = engine.generate([PROMPTS[0]], stopping)
+    assert sample.response_ids == free[: j + 1] and sample.finish_reason == "stop"
+    assert not engine.core._inflight and not engine.has_work
+    # one read per ring up to the stop (each waits for its copy), then one wait for the ring queued after it
+    assert calls == ["read", "sync"] * j + ["sync"]
