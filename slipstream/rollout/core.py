@@ -99,6 +99,25 @@ class _Ring:
     """CUDA events around the ring's graph replays (ModelRunner.run_decode)."""
 
 
+def pack_prefill(chunks: list[tuple[int, tuple[int, ...], int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs of one prefill forward from (first cache row of the slot, prompt, start, end) per chunk: int64
+    (3, T) rows token ids, positions, cache rows; int32 (3, n + 1) rows cu_seqlens_q, the slots' first cache
+    rows (cu_seqlens_k, its last entry 0 until the caller sets it) and the lengths the chunks reach (the last
+    entry unused). CPU tensors, built with tensor ops over the chunks rather than per token in Python: the
+    device waits for this between two prefill forwards."""
+    n = len(chunks)
+    meta = torch.tensor([(end - start, start, base) for base, _, start, end in chunks], dtype=torch.int64)
+    lengths, starts, bases = meta.unbind(1)
+    ids = torch.tensor(list(itertools.chain.from_iterable(p[s:e] for _, p, s, e in chunks)), dtype=torch.int64)
+    chunk = torch.repeat_interleave(torch.arange(n), lengths)
+    cu_q = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu_q[1:])
+    positions = torch.arange(len(ids)) - cu_q[chunk] + starts[chunk]
+    seqs = torch.zeros(3, n + 1, dtype=torch.int64)
+    seqs[0], seqs[1, :n], seqs[2, :n] = cu_q, bases, starts + lengths
+    return torch.stack([ids, positions, bases[chunk] + positions]), seqs.to(torch.int32)
+
+
 def decode_buckets(max_rows: int) -> list[int]:
     """Batch sizes that get a CUDA graph: fine steps where the batch is small (the long tail of an RL
     step), coarser ones above. A batch runs in the smallest bucket that holds it."""
@@ -259,23 +278,20 @@ class EngineCore:
                 budget -= end - start
                 if end < len(prompt):
                     rest.append((i, slot, prompt, end))
-            ids, pos, write, cu_q, cu_k, used = [], [], [], [0], [], []
-            for i, slot, prompt, start, end in batch:
-                ids.extend(prompt[start:end])
-                pos.extend(range(start, end))
-                write.extend(range(cache.base(slot) + start, cache.base(slot) + end))
-                cu_q.append(cu_q[-1] + end - start)
-                cu_k.append(cache.base(slot))
-                used.append(end)
-            as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-            as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
-            hidden = self.runner.forward(
-                cache, as_long(ids), as_long(pos), as_long(write), as_int(cu_q), as_int(cu_k + [cache.k.shape[1]]),
-                as_int(used), max(e - s for _, _, _, s, e in batch), causal=True,
+            tokens, seqs = pack_prefill([(cache.base(slot), prompt, start, end) for _, slot, prompt, start, end in batch])
+            seqs[1, -1] = cache.k.shape[1]  # cu_seqlens_k's last entry: never read, past every slot
+            n = len(batch)
+            # one tensor each, at storage offset 0 like the decode's (the compiled layers are not specialised again)
+            ids, positions, rows, cu_q, cu_k, used = (
+                t.to(dev, copy=True, non_blocking=True) for t in (*tokens, seqs[0], seqs[1], seqs[2, :n])
             )  # fmt: skip
-            for j, (i, _, prompt, _, end) in enumerate(batch):
+            hidden = self.runner.forward(
+                cache, ids, positions, rows, cu_q, cu_k, used, max(e - s for _, _, _, s, e in batch), causal=True
+            )  # fmt: skip
+            ends = itertools.accumulate(e - s for _, _, _, s, e in batch)
+            for (i, _, prompt, _, end), row_end in zip(batch, ends):
                 if end == len(prompt):
-                    last[i] = hidden[cu_q[j + 1] - 1]
+                    last[i] = hidden[row_end - 1]
             pending = rest
         return torch.stack(last)
 

@@ -15,7 +15,7 @@ from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.rollout.base import RolloutEngine, SamplingParams
 from slipstream.rollout.builtin import BuiltinRollout
-from slipstream.rollout.core import decode_buckets
+from slipstream.rollout.core import decode_buckets, pack_prefill
 from slipstream.rollout.kv_cache import SlotCache, kv_bytes_per_token, plan_slots
 from slipstream.rollout.sampler import (
     _mix32_int,
@@ -363,6 +363,13 @@ def test_cache_plan_counts_memory_the_allocator_holds_unused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     with pytest.raises(ValueError, match="rollout.gpu_memory_fraction"):
         plan_slots(CFG, 1024, 8, cuda, torch.bfloat16, 0.5)
+
+
+def test_pack_prefill_hand_computed():
+    # slot at cache row 100: a whole prompt; slot at row 200: a prompt's tokens 2..4 (a chunk after the first)
+    tokens, seqs = pack_prefill([(100, (7, 8, 9), 0, 3), (200, (1, 2, 3, 4, 5), 2, 5)])
+    assert tokens.tolist() == [[7, 8, 9, 3, 4, 5], [0, 1, 2, 2, 3, 4], [100, 101, 102, 202, 203, 204]]
+    assert seqs.dtype == torch.int32 and seqs.tolist() == [[0, 3, 6], [100, 200, 0], [3, 5, 0]]
 
 
 def test_decode_buckets_cover_every_batch_size():
