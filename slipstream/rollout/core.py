@@ -278,7 +278,7 @@ class EngineCore:
                 budget -= end - start
                 if end < len(prompt):
                     rest.append((i, slot, prompt, end))
-            tokens, seqs = pack_prefill([(cache.base(slot), prompt, start, end) for _, slot, prompt, start, end in batch])
+            tokens, seqs = pack_prefill([(cache.base(slot), p, start, end) for _, slot, p, start, end in batch])
             seqs[1, -1] = cache.k.shape[1]  # cu_seqlens_k's last entry: never read, past every slot
             n = len(batch)
             # one tensor each, at storage offset 0 like the decode's (the compiled layers are not specialised again)
