@@ -138,23 +138,27 @@ class BuiltinRollout:
 
     # ------------------------------------------------------------------ generation
     def warmup(self, sampling: SamplingParams) -> float:
-        """Compile the layer halves and the sampler on a throwaway request (dynamic shapes: once for every
-        later shape), and on CUDA run one prefill forward of the whole `prefill_tokens` budget; returns the
-        seconds it took. Without it the first generation pays for it. The cache it used is dropped: the next
-        generation sizes its own."""
+        """The once-per-process start-up work, so that the first generation pays only what every RL step
+        pays: compile the layer halves and the sampler on a throwaway request (dynamic shapes: once for every
+        later shape) and, on CUDA, load the kernels of large token counts with one prefill forward of the whole
+        `prefill_tokens` budget. Then the cache is dropped and the allocator emptied, as a colocated engine's
+        `sleep` leaves them each step: the next generation sizes its cache and allocates its activations
+        again. Returns the seconds it took."""
         start = time.perf_counter()
         self.generate([[1, 2, 3, 4]], replace(sampling, n=3, max_new_tokens=4), keys=[-1])
         if self.device.type == "cuda":
             self.fill_prefill_budget(sampling)
         self.core = self.cache = None
         self.runner.drop_graphs()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.startup_s += time.perf_counter() - start
         return time.perf_counter() - start
 
     def fill_prefill_budget(self, sampling: SamplingParams) -> None:
         """One prefill forward of exactly `prefill_tokens` tokens (throwaway prompts, one new token each): the kernels
-        of large token counts load and the allocator holds their activations' memory, as after any real step.
-        Up to as many prompts as the engine has rows, so the cache needs no more slots than it has anyway."""
+        of large token counts load (CUDA loads a kernel on its first launch in the process). Up to as many prompts
+        as the engine has rows, so the cache needs no more slots than it has anyway."""
         rows = self.max_batch_size
         each, extra = divmod(self.prefill_tokens, rows)
         lengths = [min(each + (i < extra), self.cfg.max_position_embeddings - 1) for i in range(rows)]
