@@ -82,7 +82,8 @@ class EngineStats:
     """Sum over decode steps of the rows that were live at the step's start."""
     decode_device_s: float = 0.0
     """Device time of the decode steps replayed from CUDA graphs (CUDA events; 0 without graphs): decode_s less
-    this is a lower bound on the time the device waited for the host."""
+    this is a lower bound on the time the device waited for the host (with `overlap`, an estimate: a queued
+    ring also runs while the host is between two steps)."""
 
 
 @dataclass
