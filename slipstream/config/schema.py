@@ -81,7 +81,7 @@ class RolloutSection:
     seed: int = 0
     """Seed of the sampler; with a prompt's position in the data stream and the sample index it decides every draw."""
     gpu_memory_fraction: float = 0.5
-    """Share of the GPU memory free when the rollout starts that its KV cache may take (CUDA)."""
+    """Share of the GPU memory free when the rollout sizes its KV cache (plus the cache it replaces) that the cache may take (CUDA)."""
     prefill_tokens: int = 16384
     """Most prompt tokens per prefill forward; longer prompts are prefilled in chunks."""
     decode_steps_per_sync: int = 16

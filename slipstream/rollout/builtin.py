@@ -156,9 +156,10 @@ class BuiltinRollout:
         return time.perf_counter() - start
 
     def fill_prefill_budget(self, sampling: SamplingParams) -> None:
-        """One prefill forward of exactly `prefill_tokens` tokens (throwaway prompts, one new token each): the kernels
-        of large token counts load (CUDA loads a kernel on its first launch in the process). Up to as many prompts
-        as the engine has rows, so the cache needs no more slots than it has anyway."""
+        """A prefill forward of `prefill_tokens` tokens (throwaway prompts, one new token each): the kernels of large
+        token counts load (CUDA loads a kernel on its first launch in the process). Up to as many prompts as the
+        engine has rows, so the cache needs no more slots than it has anyway (with fewer slots than rows, or
+        prompts capped at max_position_embeddings, the tokens take more than one forward)."""
         rows = self.max_batch_size
         each, extra = divmod(self.prefill_tokens, rows)
         lengths = [min(each + (i < extra), self.cfg.max_position_embeddings - 1) for i in range(rows)]
@@ -250,11 +251,12 @@ class BuiltinRollout:
             raise RuntimeError("the rollout engine is asleep (sleep() freed its weights): update_weights before generating")
         slot_len = min(-(-longest // SLOT_ROUNDING) * SLOT_ROUNDING, self.cfg.max_position_embeddings)
         wanted = self.max_batch_size if self.device.type == "cuda" else min(self.max_batch_size, num_samples)
-        cache = self.cache
-        if cache is None or cache.slot_len < longest or (self.device.type == "cpu" and cache.num_slots < wanted):
-            self.core = self.cache = None
+        old = self.cache
+        if old is None or old.slot_len < longest or (self.device.type == "cpu" and old.num_slots < wanted):
+            replaced = old.nbytes if old is not None else 0
+            self.core = self.cache = old = None  # the old cache is freed before the new one is planned
             self.runner.drop_graphs()
-            slots = plan_slots(self.cfg, slot_len, wanted, self.device, self.dtype, self.memory_fraction)
+            slots = plan_slots(self.cfg, slot_len, wanted, self.device, self.dtype, self.memory_fraction, replaced)
             self.cache = SlotCache(self.cfg, slots, slot_len, self.device, self.dtype)
             self.core = EngineCore(
                 self.runner, self.cache, self.seed, self.prefill_tokens, self.ring, overlap=self.overlap_decode

@@ -26,17 +26,6 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def available_bytes(device: torch.device) -> int:
-    """Device memory a new allocation can get: free on the device plus the segments torch's allocator holds with
-    no tensor in them (it returns those to the device when an allocation needs the room; the free pieces of a
-    segment still in use cannot back a large tensor, so they do not count)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    segments = torch.cuda.memory_snapshot()
-    idle = sum(s["total_size"] for s in segments if s["device"] == index and not s["allocated_size"])
-    return free + idle
-
-
 def plan_slots(
     cfg: ModelConfig,
     slot_len: int,
@@ -44,19 +33,22 @@ def plan_slots(
     device: torch.device,
     dtype: torch.dtype,
     memory_fraction: float,
+    replaced_bytes: int = 0,
 ) -> int:
     """How many slots of `slot_len` tokens to allocate: at most `max_slots`, within the memory budget.
 
-    On CUDA the budget is `memory_fraction` of the device memory free right now, counting the segments torch's
-    caching allocator holds unused (a cache dropped for longer slots, a previous call's activations: the
-    allocator returns them to the device when a new allocation needs them); on the CPU the slots asked for
-    are allocated.
+    On CUDA the budget is `memory_fraction` of the device memory free right now plus the cache this one
+    replaces (`replaced_bytes`, freed by the caller: torch's allocator still holds it, unused, and returns it
+    to the device when the new cache needs the room; other memory it holds unused, the trainer's included,
+    stays out of the budget); on the CPU the slots asked for are allocated.
     Raises ValueError naming the settings when not even one fits.
     """
     if device.type != "cuda":
         return max_slots
     per_slot = slot_len * kv_bytes_per_token(cfg, dtype)
-    free = available_bytes(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free += min(replaced_bytes, held_unused)
     fit = int(free * memory_fraction) // per_slot - 1  # one slot's worth is the scratch slot
     if fit < 1:
         raise ValueError(
@@ -86,6 +78,10 @@ class SlotCache:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
     def base(self, slot: int) -> int:
         """First cache row of `slot`."""

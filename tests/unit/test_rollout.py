@@ -341,28 +341,46 @@ def test_slot_cache_copies_prefixes_and_recycles_slots():
         cache.allocate(1)
 
 
-def test_cache_plan_counts_memory_the_allocator_holds_unused(monkeypatch):
-    """A cache dropped for longer slots stays reserved by torch's allocator: the next plan must count its segment,
-    or every reallocation shrinks the cache by the size of the one before; free pieces of a segment still in use
-    (which cannot back a large tensor) and other devices' segments do not count."""
+def test_cache_plan_counts_the_cache_it_replaces_and_nothing_else_held_unused(monkeypatch):
+    """A cache dropped for longer slots stays reserved by torch's allocator: the next plan counts it, or every
+    reallocation shrinks the cache by the size of the one before; memory the allocator holds unused for others
+    (the trainer's) stays out of the budget."""
     gib = 2**30
-    segments = [
-        {"device": 0, "total_size": 16 * gib, "allocated_size": 0},  # the dropped cache
-        {"device": 0, "total_size": 2 * gib, "allocated_size": 0},  # a previous call's activations
-        {"device": 0, "total_size": 6 * gib, "allocated_size": 1 * gib},  # in use: its free 5 GiB cannot count
-        {"device": 1, "total_size": 9 * gib, "allocated_size": 0},  # another GPU
-    ]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: segments)
-    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 15 * gib)  # 25 GiB held unused
+    cuda = torch.device("cuda")
     per_slot = 1024 * kv_bytes_per_token(CFG, torch.bfloat16)
-    expected = int(28 * gib * 0.5) // per_slot - 1  # (10 free + 18 idle) x fraction, less the scratch slot
-    assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5) == expected
-    assert plan_slots(CFG, 1024, 7, cuda, torch.bfloat16, 0.5) == 7
+    fit = lambda gibs: int(gibs * gib * 0.5) // per_slot - 1  # noqa: E731  (the scratch slot)
+    assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5) == fit(10)
+    assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5, replaced_bytes=18 * gib) == fit(28)
+    assert plan_slots(CFG, 1024, 10**9, cuda, torch.bfloat16, 0.5, replaced_bytes=30 * gib) == fit(35)  # capped
+    assert plan_slots(CFG, 1024, 7, cuda, torch.bfloat16, 0.5, replaced_bytes=18 * gib) == 7
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: [])
     with pytest.raises(ValueError, match="rollout.gpu_memory_fraction"):
         plan_slots(CFG, 1024, 8, cuda, torch.bfloat16, 0.5)
+
+
+def test_a_cache_replaced_for_longer_slots_is_freed_before_the_new_one_is_planned(monkeypatch):
+    import weakref
+
+    from slipstream.rollout import builtin
+
+    engine = _engine(max_batch_size=4)
+    engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    old, old_bytes = weakref.ref(engine.cache), engine.cache.nbytes
+    seen = []
+    plan = builtin.plan_slots
+
+    def spy(*args):
+        seen.append((old() is None, args[-1]))
+        return plan(*args)
+
+    monkeypatch.setattr(builtin, "plan_slots", spy)
+    engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=300))  # longer than the first call's slots
+    # planned once, with the old cache already gone and its bytes counted as the budget's to reuse
+    # (one slot for the one sample + the scratch slot) x 256 tokens of keys and values
+    assert seen == [(True, old_bytes)] and old_bytes == 2 * 256 * kv_bytes_per_token(CFG, torch.float32)
 
 
 def test_pack_prefill_hand_computed():
