@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.rollout.base import SamplingParams
+from slipstream.rollout.decode_state import DecodeState, PendingRead
 from slipstream.rollout.kv_cache import SlotCache
-from slipstream.rollout.model_runner import DecodeState, ModelRunner, PendingRead
+from slipstream.rollout.model_runner import ModelRunner
 from slipstream.rollout.sampler import row_seed, sampling_mode
 
 

@@ -595,11 +595,11 @@ def test_overlapped_decode_samples_exactly_what_the_one_ring_at_a_time_decode_do
 def test_overlapped_decode_queues_the_next_ring_before_reading_the_last(monkeypatch):
     """The order of device work and host reads: with overlap, ring i + 1 is queued before ring i is read while
     no request waits for a slot; while some wait, each ring is read before the next is queued."""
-    from slipstream.rollout import model_runner
+    from slipstream.rollout import decode_state
 
     events = []
-    wait = model_runner.PendingRead.wait
-    monkeypatch.setattr(model_runner.PendingRead, "wait", lambda self: events.append("read") or wait(self))
+    wait = decode_state.PendingRead.wait
+    monkeypatch.setattr(decode_state.PendingRead, "wait", lambda self: events.append("read") or wait(self))
     engine = _engine(max_batch_size=2, decode_steps_per_sync=2, overlap_decode=True)
     run_decode = engine.runner.run_decode
     engine.runner.run_decode = lambda *a: events.append("ring") or run_decode(*a)  # noqa: E731
@@ -617,15 +617,15 @@ def test_a_ring_queued_past_the_last_stop_has_run_before_the_engine_is_idle(monk
     """The last running sample stops in the ring being read while the next ring is queued: that ring holds only
     stopped rows (nothing to read), but the engine reports no work only after it has run, since the cache and the
     decode state may be freed or handed to another stream next."""
-    from slipstream.rollout import model_runner
+    from slipstream.rollout import decode_state
 
     engine = _engine(max_batch_size=2, decode_steps_per_sync=1, overlap_decode=True)
     free = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=9))[0][0].response_ids
     j = next(i for i in range(1, 9) if free[i] not in free[:i])
     calls = []
-    sync, wait = model_runner.PendingRead.synchronize, model_runner.PendingRead.wait
-    monkeypatch.setattr(model_runner.PendingRead, "synchronize", lambda self: calls.append("sync") or sync(self))
-    monkeypatch.setattr(model_runner.PendingRead, "wait", lambda self: calls.append("read") or wait(self))
+    sync, wait = decode_state.PendingRead.synchronize, decode_state.PendingRead.wait
+    monkeypatch.setattr(decode_state.PendingRead, "synchronize", lambda self: calls.append("sync") or sync(self))
+    monkeypatch.setattr(decode_state.PendingRead, "wait", lambda self: calls.append("read") or wait(self))
     stopping = SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=[free[j]])
     [[sample]] = engine.generate([PROMPTS[0]], stopping)
     assert sample.response_ids == free[: j + 1] and sample.finish_reason == "stop"
