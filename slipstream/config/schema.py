@@ -87,7 +87,7 @@ class RolloutSection:
     decode_steps_per_sync: int = 16
     """Decode steps between two looks of the host at the sampled tokens (stop checks, slot reuse)."""
     overlap_decode: bool = False
-    """Queue the next decode_steps_per_sync steps before the host looks at the last ones, so the device does not wait for the host (rows that stopped run on until the look after; off while requests wait for a slot)."""
+    """Queue the next decode_steps_per_sync steps before the host looks at the last ones, so the device does not wait for the host (rows that stopped run on until the look after; a request admitted then is prefilled behind the queued steps)."""
     compile: bool = True
     """torch.compile the rollout's layer halves and sampler (CUDA only; the CPU runs eagerly)."""
     cuda_graphs: bool = True

@@ -181,19 +181,23 @@ class EngineCore:
 
         A decode step reads one ring of up to `ring` decode steps: one wait for the device, so a step's wall
         time is its device time (graph captures inside it are counted apart, ModelRunner.capture_s). With
-        `overlap`, while no request waits for a slot, the step queues the next ring before it reads this
-        one: the device decodes on while the host looks at the tokens. The next ring then runs every row
-        that has budget left, those that stopped in the ring being read included (their tokens are dropped),
-        and leaves out the ones finished before; admission and `drain` wait for the queued rings first.
+        `overlap` the step queues the next ring before it reads this one: the device decodes on while the
+        host looks at the tokens. The next ring runs every row that has budget left, those that stopped in
+        the ring being read included (their tokens are dropped), and leaves out the ones finished before. A
+        prefill admitted then is queued behind that ring (the slots it takes are written after the ring's
+        last use of them); its wait for the first tokens covers the ring too, which is then read at no cost
+        (so with overlap, prefill_s holds the tail of a queued ring).
         """
         start, capture = time.perf_counter(), self.runner.capture_s
         if self._ready:
             finished, self._ready = self._ready, []
             return finished
-        if self.waiting and self.cache.num_free and not self._inflight:
+        if self.waiting and self.cache.num_free:
             admitted = self._admit()
             if admitted:
                 finished = self._prefill(admitted)
+                while self._inflight:  # already run: the host knows every token before the rows load again
+                    finished += self._read_ring()
                 self.stats.prefill_s += time.perf_counter() - start - (self.runner.capture_s - capture)
                 self.stats.prefill_tokens += sum(g[0].prompt_len for g in admitted)
                 return finished
@@ -300,10 +304,10 @@ class EngineCore:
     # ------------------------------------------------------------------ decode
     def _decode(self) -> list[Sequence]:
         """Read the oldest queued ring (queueing one first if none is), and with `overlap` queue the next
-        before reading it, unless a request waits for a slot (the rows freed now take it next step)."""
+        before reading it."""
         if not self._inflight:
             self._launch()
-        if self.overlap and not self.waiting:
+        if self.overlap:
             self._launch()
         return self._read_ring()
 
