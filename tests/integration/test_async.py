@@ -83,6 +83,21 @@ def test_no_trained_token_is_staler_than_max_staleness(tmp_path, eta):
     assert indices == list(range(5 * trainer.cfg.rollout.prompts_per_step))
 
 
+def test_overlapped_decode_in_the_async_loop_keeps_versions_and_the_bound(tmp_path):
+    """Several decode rings per response, queued ahead (rollout.overlap_decode), with weight syncs landing
+    between engine steps while a ring is queued: every token carries the version that sampled it, none is
+    staler than the bound, versions never go down within a response, and no prompt is lost or repeated."""
+    trainer = _trainer(tmp_path, "trainer.mode=async", "trainer.max_staleness=1", *OVERLAPPED[0], *OVERLAPPED[1])
+    batches = _record_batches(trainer)
+    _run(trainer, 4)
+    lags = [version - v for version, samples in batches for s in samples for v in s.token_versions]
+    assert 0 <= min(lags) and max(lags) <= 1
+    assert all(list(s.token_versions) == sorted(s.token_versions) for _, samples in batches for s in samples)
+    assert max(len(s.response_ids) for _, samples in batches for s in samples) > 2  # more than one ring
+    indices = [s.prompt_index for _, samples in batches for s in samples[:: trainer.cfg.rollout.group_size]]
+    assert indices == list(range(4 * trainer.cfg.rollout.prompts_per_step))
+
+
 def test_async_crash_and_resume_loses_and_repeats_no_prompt(tmp_path):
     """A checkpoint at step 2 with later batches in flight; the run dies in step 3; the resumed run
     trains steps 3 and 4 on exactly the prompts the first run had not trained."""
