@@ -98,10 +98,11 @@ def add_rollout_parser(sub) -> None:
                    "ops/decode_attention.py:LAUNCH)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=16,
                    help="decode steps between two looks of the host at the tokens (rollout.decode_steps_per_sync)")
-    p.add_argument("--overlap-decode", action="store_true",
-                   help="queue the next decode steps before the host looks at the last ones (rollout.overlap_decode)")
-    p.add_argument("--layer-kernels", action="store_true",
-                   help="the element-wise work between the layers' GEMMs in Triton kernels (ops/layer_kernels.py)")
+    p.add_argument("--no-overlap-decode", action="store_true",
+                   help="read each ring of decode steps before queueing the next (rollout.overlap_decode=false)")
+    p.add_argument("--no-layer-kernels", action="store_true",
+                   help="the element-wise work between the layers' GEMMs in compiled torch code, not the Triton kernels "
+                   "of ops/layer_kernels.py")
     p.add_argument("--fused-lm-head", action="store_true",
                    help="sample with the LM head inside the sampling kernel (ops/sampling.py:sample_hidden)")
     p.add_argument("--no-compile", action="store_true", help="eager layer halves (CUDA graphs still on)")

@@ -210,7 +210,7 @@ def bench_rollout(
     decode_attention: tuple[str, ...] = ("triton",),
     peer_batches: tuple[int, ...] | None = None,
     steps_per_sync: int = 16,
-    overlap_decode: bool = False,
+    overlap_decode: bool = True,
     log=print,
     on_row=None,
 ) -> list[dict]:
@@ -368,8 +368,8 @@ def run_rollout_command(args) -> int:
             decode_attention_op.set_launch(args.decode_launch)
         if args.fused_lm_head:
             sampling_op.FUSED_HEAD = True
-        if args.layer_kernels:
-            layer_kernels_op.ENABLED = True
+        if args.no_layer_kernels:
+            layer_kernels_op.ENABLED = False
         batches = tuple(int(b) for b in args.batch.split(","))
         rows = bench_rollout(
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),
@@ -377,7 +377,7 @@ def run_rollout_command(args) -> int:
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile, profile_first=args.profile_first,
             decode_attention=tuple(args.decode_attention.split(",")),
             peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
-            steps_per_sync=args.steps_per_sync, overlap_decode=args.overlap_decode, on_row=write,
+            steps_per_sync=args.steps_per_sync, overlap_decode=not args.no_overlap_decode, on_row=write,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

@@ -381,21 +381,15 @@ def rl_step_rows(quick: bool) -> list[Row]:
 
 
 NANOVLLM_06B_VARIANTS = {
-    # the decode kernel with 4 pipeline stages (faster on big batches in the launch sweep)
-    "stages-4": ["--decode-launch", "64,4,4,1"],
-    # the LM head inside the sampling kernel (no fp32 logits in memory)
+    # the LM head inside the sampling kernel (no fp32 logits in memory; slower than the head + sampler so far)
     "fused-lm-head": ["--fused-lm-head"],
-    # the norms, RoPE, cache write and SwiGLU activation in Triton kernels (fewer, leaner launches per layer)
-    "layer-kernels": ["--layer-kernels"],
-    # the decode kernel's programs ordered longest sequence first
-    "longest-first": ["--decode-launch", "64,4,2,1,1"],
-    # the next ring of decode steps queued before the host reads the last (the device does not wait for the host)
-    "overlap-decode": ["--overlap-decode"],
-    # the five above together
-    "all-candidates": ["--decode-launch", "64,4,4,1,1", "--fused-lm-head", "--layer-kernels", "--overlap-decode"],
+    # without the measured defaults: 2 pipeline stages, grid in length order, compiled element-wise work between
+    # the GEMMs, each ring of decode steps read before the next is queued
+    "stages-2-compiled-layers-no-overlap": ["--decode-launch", "64,4,2,1,0", "--no-layer-kernels",
+                                            "--no-overlap-decode"],
 }
-"""Rows of nano-vllm's workload on qwen3-0.6b beside the default launch: each a `slipstream bench rollout` setting
-not yet the default, measured against it in one run."""
+"""Rows of nano-vllm's workload on qwen3-0.6b beside the defaults: each a `slipstream bench rollout` setting measured
+against them in one run."""
 
 
 def rollout_rows(quick: bool) -> list[Row]:

@@ -86,7 +86,7 @@ class RolloutSection:
     """Most prompt tokens per prefill forward; longer prompts are prefilled in chunks."""
     decode_steps_per_sync: int = 16
     """Decode steps between two looks of the host at the sampled tokens (stop checks, slot reuse)."""
-    overlap_decode: bool = False
+    overlap_decode: bool = True
     """Queue the next decode_steps_per_sync steps before the host looks at the last ones, so the device does not wait for the host (rows that stopped run on until the look after; a request admitted then is prefilled behind the queued steps)."""
     compile: bool = True
     """torch.compile the rollout's layer halves and sampler (CUDA only; the CPU runs eagerly)."""

@@ -29,7 +29,7 @@ try:
 except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
-LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "heads_first": 1, "longest_first": 0}
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 4, "heads_first": 1, "longest_first": 1}
 """Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, the
 grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
 order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
@@ -37,8 +37,9 @@ one stream; 0: neighbours are sequences of the same head; heads first read ~4% f
 batch), and the sequence order (longest_first=1: the programs of the longest sequences start first, so
 the short ones fill the end of the launch instead of a long one running alone there; the order is one
 argsort of the lengths per decode step, `launch_order`; with several splits a sequence's later splits
-still come after every sequence's first one; not yet measured, so off). Chosen by
-`bench/bench_decode_attention.py` and nano-vllm's workload on the H200; see docs/benchmarks.md. The
+still come after every sequence's first one). Chosen by `bench/bench_decode_attention.py` and nano-vllm's
+workload on the H200 (4 stages: +1.0 point of the bound on a first call, longest first +1.1, one run side
+by side; see docs/benchmarks.md). The
 environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first[,longest_first]]"
 (or `slipstream bench rollout --decode-launch`) overrides it."""
 

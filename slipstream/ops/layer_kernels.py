@@ -22,10 +22,10 @@ import torch
 
 from slipstream.ops.decode_attention import available, triton
 
-ENABLED = os.environ.get("SLIPSTREAM_LAYER_KERNELS", "0") == "1"
+ENABLED = os.environ.get("SLIPSTREAM_LAYER_KERNELS", "1") == "1"
 """Whether the rollout's model runner uses these kernels on CUDA (instead of the compiled torch code for the same
-work). Off until measured on a GPU; the environment variable SLIPSTREAM_LAYER_KERNELS=1 (or `slipstream bench
-rollout --layer-kernels`) turns it on."""
+work; +1.7 points of the bound on nano-vllm's workload, first call, docs/benchmarks.md). The environment variable
+SLIPSTREAM_LAYER_KERNELS=0 (or `slipstream bench rollout --no-layer-kernels`) turns it off."""
 
 if triton is not None:
     import triton.language as tl

@@ -46,7 +46,7 @@ class BuiltinRollout:
         decode_steps_per_sync: int = 16,
         decode_attention: str = "triton",
         on_weight_update: str = "keep",
-        overlap_decode: bool = False,
+        overlap_decode: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")

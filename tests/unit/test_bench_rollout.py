@@ -54,11 +54,13 @@ def test_decode_launch_override(monkeypatch):
     monkeypatch.setattr(decode_attention, "LAUNCH", dict(decode_attention.LAUNCH))
     decode_attention.set_launch("128,8,3")
     assert decode_attention.LAUNCH == {"block_n": 128, "num_warps": 8, "num_stages": 3, "heads_first": 1,
-                                       "longest_first": 0}  # fmt: skip
+                                       "longest_first": 1}  # fmt: skip
     decode_attention.set_launch("64,4,4,0")
     assert decode_attention.LAUNCH["num_stages"] == 4 and decode_attention.LAUNCH["heads_first"] == 0
+    decode_attention.set_launch("64,4,4,1,0")
+    assert decode_attention.LAUNCH["longest_first"] == 0
+    assert decode_attention.launch_order(torch.tensor([3, 9], dtype=torch.int32)) is None  # launch order as is
     decode_attention.set_launch("64,4,4,1,1")
-    assert decode_attention.LAUNCH["longest_first"] == 1
     lengths = torch.tensor([5, 900, 17, 900, 64], dtype=torch.int32)
     order = decode_attention.launch_order(lengths)
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(5))
@@ -74,19 +76,20 @@ def test_decode_idle_is_the_decode_wall_time_without_device_work():
     assert decode_idle({"decode_s": 0.0, "decode_device_s": 0.0}) is None
 
 
-def test_overlap_decode_flag_reaches_the_engine(tmp_path):
-    """`--overlap-decode` on the CPU (tiny preset, eager): the row records it and generates every budgeted token
-    (run_builtin checks the count), first and repeated call alike."""
+@pytest.mark.parametrize("flags, overlap", [([], True), (["--no-overlap-decode"], False)])
+def test_overlap_decode_setting_reaches_the_engine(tmp_path, flags, overlap):
+    """Overlapped decode rings by default, `--no-overlap-decode` off, on the CPU (tiny preset, eager): the row
+    records it and generates every budgeted token (run_builtin checks the count), first and repeated call alike."""
     import json
 
     from slipstream.cli import main
 
     out = tmp_path / "rollout.json"
     argv = ["bench", "rollout", "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs", "--batch",
-            "4", "--group", "2", "--prompt-len", "16", "--new-tokens", "8", "--steps-per-sync", "3", "--overlap-decode",
+            "4", "--group", "2", "--prompt-len", "16", "--new-tokens", "8", "--steps-per-sync", "3", *flags,
             "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["call"] for r in rows] == ["first", "repeat"]
-    assert all(r["settings"]["overlap_decode"] and r["response_tokens"] == 4 * 8 for r in rows)
+    assert all(r["settings"]["overlap_decode"] == overlap and r["response_tokens"] == 4 * 8 for r in rows)
     assert all(r["decode_steps"] == 8 - 1 for r in rows)  # the prefill samples the first token; 3 + 3 + 1 after
