@@ -101,11 +101,13 @@ class _Ring:
     """CUDA events around the ring's graph replays (ModelRunner.run_decode)."""
 
 
-def pack_prefill(chunks: list[tuple[int, tuple[int, ...], int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_prefill(
+    chunks: list[tuple[int, tuple[int, ...], int, int]], cache_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The inputs of one prefill forward from (first cache row of the slot, prompt, start, end) per chunk: int64
     (3, T) rows token ids, positions, cache rows; int32 (3, n + 1) rows cu_seqlens_q, the slots' first cache
-    rows (cu_seqlens_k, its last entry 0 until the caller sets it) and the lengths the chunks reach (the last
-    entry unused). CPU tensors, built with tensor ops over the chunks rather than per token in Python: the
+    rows then `cache_rows` (cu_seqlens_k: its last entry is never read, past every slot) and the lengths the
+    chunks reach (the last entry unused). CPU tensors, built with tensor ops over the chunks rather than per token in Python: the
     device waits for this between two prefill forwards."""
     n = len(chunks)
     meta = torch.tensor([(end - start, start, base) for base, _, start, end in chunks], dtype=torch.int64)
@@ -116,7 +118,7 @@ def pack_prefill(chunks: list[tuple[int, tuple[int, ...], int, int]]) -> tuple[t
     torch.cumsum(lengths, 0, out=cu_q[1:])
     positions = torch.arange(len(ids)) - cu_q[chunk] + starts[chunk]
     seqs = torch.zeros(3, n + 1, dtype=torch.int64)
-    seqs[0], seqs[1, :n], seqs[2, :n] = cu_q, bases, starts + lengths
+    seqs[0], seqs[1, :n], seqs[1, n], seqs[2, :n] = cu_q, bases, cache_rows, starts + lengths
     return torch.stack([ids, positions, bases[chunk] + positions]), seqs.to(torch.int32)
 
 
@@ -284,8 +286,8 @@ class EngineCore:
                 budget -= end - start
                 if end < len(prompt):
                     rest.append((i, slot, prompt, end))
-            tokens, seqs = pack_prefill([(cache.base(slot), p, start, end) for _, slot, p, start, end in batch])
-            seqs[1, -1] = cache.k.shape[1]  # cu_seqlens_k's last entry: never read, past every slot
+            chunks = [(cache.base(slot), p, start, end) for _, slot, p, start, end in batch]
+            tokens, seqs = pack_prefill(chunks, cache.k.shape[1])
             n = len(batch)
             # one tensor each, at storage offset 0 like the decode's (the compiled layers are not specialised again)
             ids, positions, rows, cu_q, cu_k, used = (

@@ -385,9 +385,9 @@ def test_a_cache_replaced_for_longer_slots_is_freed_before_the_new_one_is_planne
 
 def test_pack_prefill_hand_computed():
     # slot at cache row 100: a whole prompt; slot at row 200: a prompt's tokens 2..4 (a chunk after the first)
-    tokens, seqs = pack_prefill([(100, (7, 8, 9), 0, 3), (200, (1, 2, 3, 4, 5), 2, 5)])
+    tokens, seqs = pack_prefill([(100, (7, 8, 9), 0, 3), (200, (1, 2, 3, 4, 5), 2, 5)], 1000)
     assert tokens.tolist() == [[7, 8, 9, 3, 4, 5], [0, 1, 2, 2, 3, 4], [100, 101, 102, 202, 203, 204]]
-    assert seqs.dtype == torch.int32 and seqs.tolist() == [[0, 3, 6], [100, 200, 0], [3, 5, 0]]
+    assert seqs.dtype == torch.int32 and seqs.tolist() == [[0, 3, 6], [100, 200, 1000], [3, 5, 0]]
 
 
 def test_decode_buckets_cover_every_batch_size():
