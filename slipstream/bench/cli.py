@@ -63,7 +63,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write all results as one JSON object here")
     p.set_defaults(func=run_train_step)
     m = sub.add_parser("matrix", help="run a {workload} x {framework} x {backend} matrix from a YAML spec")
-    m.add_argument("spec", type=Path, help="matrix spec YAML (see bench/matrix_w1.yaml)")
+    m.add_argument("spec", type=Path, help="matrix spec YAML (see benchmarks/specs/matrix_w1.yaml)")
     m.add_argument("--out", type=Path, default=Path("bench_results/matrix"),
                    help="directory for results.jsonl, matrix.md and the PNGs (default bench_results/matrix)")  # fmt: skip
     m.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.jsonl, run nothing")

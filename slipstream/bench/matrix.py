@@ -123,10 +123,10 @@ def run_cell(spec: MatrixSpec, w: Workload, framework: str, backend: str) -> dic
 
         return run_naive_cell(w, s, spec.naive)
     if framework == "trl":
-        from slipstream.bench.peers.trl_adapter import run_trl_cell
+        from benchmarks.peers.trl_adapter import run_trl_cell
 
         return run_trl_cell(w, s, spec.trl)
-    from slipstream.bench.peers.verl_adapter import run_verl_cell
+    from benchmarks.peers.verl_adapter import run_verl_cell
 
     return run_verl_cell(w, s, spec.verl, backend)
 
@@ -136,7 +136,7 @@ def _rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend:
     if framework == "slipstream":
         return run_slipstream_rl_step(rl, spec.settings, backend)
     if framework == "trl":
-        from slipstream.bench.peers.trl_rl_step import run_trl_rl_step_cell
+        from benchmarks.peers.trl_rl_step import run_trl_rl_step_cell
 
         return run_trl_rl_step_cell(rl, spec.settings, backend)
     return {
@@ -240,7 +240,7 @@ def run_matrix(
     `resume=True` keeps the rows already in `out_jsonl` for this spec and runs only the missing
     (or failed) cells, so a matrix longer than one sitting can be finished in several.
     """
-    from slipstream.bench.peers import peer_versions
+    from benchmarks.peers import peer_versions
     from slipstream.bench.train_step import env_info
 
     env = {**env_info(), "peers": peer_versions()}

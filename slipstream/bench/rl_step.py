@@ -17,7 +17,7 @@ steps. Only the backend (`actor.backend`) varies between the slipstream cells.
       overrides: [rollout.max_new_tokens=4]
 
 Cells: slipstream x local|fsdp|megatron run (world size 1); trl x accelerate runs TRL's own
-GRPOTrainer.train() on the same recipe once (slipstream/bench/peers/trl_rl_step.py; TRL has one
+GRPOTrainer.train() on the same recipe once (benchmarks/peers/trl_rl_step.py; TRL has one
 engine); verl x * are explained rows.
 """
 

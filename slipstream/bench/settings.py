@@ -106,7 +106,7 @@ class VerlSettings:
     use_torch_compile: bool = True
     """verl's actor / engine use_torch_compile (its default)."""
     site_dir: str | None = None
-    """Site directory holding verl and its pinned packages (bench/gpu_setup.sh); None: $SLIPSTREAM_VERL_SITE."""
+    """Site directory holding verl and its pinned packages (benchmarks/gpu_setup.sh); None: $SLIPSTREAM_VERL_SITE."""
 
 
 @dataclass(frozen=True)

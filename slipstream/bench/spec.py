@@ -255,7 +255,7 @@ def _site_dir(where: str, value) -> str | None:
     if not (Path(value).expanduser() / "verl" / "__init__.py").is_file():
         raise ValueError(
             f"matrix spec: {where}={value!r} is not a verl site directory (no verl/__init__.py); "
-            "build one with `bash bench/gpu_setup.sh verl-local DIR`"
+            "build one with `bash benchmarks/gpu_setup.sh verl-local DIR`"
         )
     return value
 

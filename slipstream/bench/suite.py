@@ -38,7 +38,7 @@ PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _registry() -> dict[str, Entry]:
-    import slipstream.bench.suite_entries  # noqa: F401  registers the entries
+    import benchmarks.suite_entries  # noqa: F401  registers the entries
 
     return REGISTRY
 

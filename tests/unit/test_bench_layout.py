@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from slipstream.bench.peers.standin import STANDINS
+from benchmarks.peers.standin import STANDINS
 
 BENCH = Path(__file__).resolve().parents[2] / "slipstream" / "bench"
 
@@ -48,7 +48,7 @@ def test_bench_imports_have_no_cycle():
             visit(name, [])
     # the peer adapters depend on the settings, never on the runner that calls them
     for name in graph:
-        if name.startswith("slipstream.bench.peers"):
+        if name.startswith("benchmarks.peers"):
             assert "slipstream.bench.matrix" not in graph[name] and "slipstream.bench.suite" not in graph[name], name
 
 

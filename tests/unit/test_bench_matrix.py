@@ -17,7 +17,7 @@ from slipstream.bench.matrix import make_row, run_matrix
 from slipstream.bench.rows import FAIRNESS_KEYS, ROW_KEYS, read_rows
 from slipstream.bench.settings import CellSettings
 from slipstream.bench.spec import load_spec, parse_spec
-from slipstream.bench.peers import install_command, peer_version
+from benchmarks.peers import install_command, peer_version
 from slipstream.bench.report import markdown_table, write_matrix_report
 from slipstream.bench.train_step import phase_stats
 from slipstream.bench.workloads import WORKLOADS, get_workload, synthetic_batch
@@ -114,7 +114,7 @@ def test_spec_requires_the_three_lists_and_a_mapping(tmp_path):
 
 
 def test_w1_spec_file():
-    spec = load_spec(REPO / "bench" / "matrix_w1.yaml")
+    spec = load_spec(REPO / "benchmarks" / "specs" / "matrix_w1.yaml")
     assert [(w.name, w.preset) for w in spec.workloads] == [("W1", "qwen3-1.7b"), ("W1-0.6b", "qwen3-0.6b")]
     # The inline W1-0.6b has exactly the lengths of the named one.
     assert spec.workloads[1] == WORKLOADS["W1-0.6b"]
@@ -154,7 +154,7 @@ def matrix_lengths(name: str) -> list[tuple[int, int]]:
 
 
 def test_missing_trl_row_says_how_to_install(monkeypatch):
-    from slipstream.bench.peers import trl_adapter
+    from benchmarks.peers import trl_adapter
 
     monkeypatch.setattr(trl_adapter, "peer_version", lambda name: None)
     spec = parse_spec(_spec(frameworks=["trl"]))
@@ -310,8 +310,8 @@ def test_report_renders_table_and_pngs(tmp_path):
 def test_cli_parses_matrix_and_redraws_report(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "matrix", "bench/matrix_w1.yaml", "--out", str(tmp_path), "--report-only"])
-    assert args.func is run_matrix_command and args.spec == Path("bench/matrix_w1.yaml") and args.report_only
+    args = parser.parse_args(["bench", "matrix", "benchmarks/specs/matrix_w1.yaml", "--out", str(tmp_path), "--report-only"])
+    assert args.func is run_matrix_command and args.spec == Path("benchmarks/specs/matrix_w1.yaml") and args.report_only
     spec = parse_spec(_spec(frameworks=["slipstream", "trl", "verl"], backends=["fsdp", "megatron"]))
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _synthetic_rows(spec)))
     assert run_matrix_command(args) == 0
@@ -324,7 +324,7 @@ def test_cli_parses_matrix_and_redraws_report(tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_TRL, reason="trl is not installed")
 def test_trl_inputs_pad_like_trl():
-    from slipstream.bench.peers.trl_adapter import trl_inputs
+    from benchmarks.peers.trl_adapter import trl_inputs
 
     w = get_workload("tiny")
     batch = synthetic_batch(w, 96)
@@ -352,7 +352,7 @@ def test_trl_loss_matches_slipstream(loss_type):
     # TRL's compute_loss summed over its micro-batches vs slipstream's aggregation of the same
     # name (dapo = token-mean, grpo = seq-mean-token-mean, dr_grpo = seq-mean-token-sum-norm),
     # fp32, same weights and batch: two independent implementations must agree.
-    from slipstream.bench.peers.trl_adapter import trl_loss_cross_check
+    from benchmarks.peers.trl_adapter import trl_loss_cross_check
 
     out = trl_loss_cross_check("tiny", per_device_train_batch_size=4, loss_type=loss_type)
     assert out["num_micro_batches"] == 2
@@ -418,7 +418,7 @@ def test_bf16_master_cell_runs_and_says_so(tmp_path):
 
 
 def test_trl_options_parse_and_liger_needs_its_package(monkeypatch):
-    from slipstream.bench.peers import trl_adapter
+    from benchmarks.peers import trl_adapter
 
     spec = parse_spec(_spec(frameworks=["trl"], peers={"trl": {"use_liger_kernel": True, "params_dtype": "float32"}}))
     assert spec.trl.use_liger_kernel and spec.trl.params_dtype == "float32"

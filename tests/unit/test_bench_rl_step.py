@@ -49,7 +49,7 @@ def test_rl_step_spec_parses():
 
 def test_tiny_rl_step_spec_file(monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe path in the file is relative to the repository root
-    spec = load_spec(REPO / "bench" / "matrix_rl_step_tiny.yaml")
+    spec = load_spec(REPO / "benchmarks" / "specs" / "matrix_rl_step_tiny.yaml")
     assert spec.rl_step == RLStepSettings(recipe="recipes/demo.yaml", steps=6, warmup_steps=1, name="demo")
     assert spec.frameworks == ("slipstream", "trl", "verl") and spec.backends == ("local", "fsdp", "megatron")
 
@@ -235,7 +235,7 @@ def test_report_renders_rl_step_rows_with_memory():
 
 
 def test_trl_settings_follow_the_recipe():
-    from slipstream.bench.peers.trl_rl_step import reward_function, task_dataset, trl_settings
+    from benchmarks.peers.trl_rl_step import reward_function, task_dataset, trl_settings
     from slipstream.config.loader import load_config
 
     cfg = load_config(DEMO, ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.05", "actor.grad_clip=0.5"])
@@ -286,13 +286,13 @@ def test_w1_budgets_and_ignored_stops_shape_every_sample(tmp_path):
 
 
 def test_trl_and_slipstream_train_the_same_tokens_on_the_id_tokenizer_recipe(tmp_path):
-    """bench/matrix_rl_step_fixed_trl.yaml's recipe (random token ids, ids tokenizer), CPU-sized: TRL's cell
+    """benchmarks/specs/matrix_rl_step_fixed_trl.yaml's recipe (random token ids, ids tokenizer), CPU-sized: TRL's cell
     builds it too and trains on it; slipstream's responses run to the budget (stop tokens ignored)."""
     overrides = ["model.preset=tiny", "model.tokenizer=ids:96", "data.task_params={length: 15, vocab_size: 96}",
                  "rollout.max_new_tokens=8", "actor.compile=false", "model.dtype=float32", "rollout.prompts_per_step=2",
                  "rollout.group_size=2", "actor.activation_checkpointing=none"]  # fmt: skip
     spec = parse_spec(_spec(
-        {"recipe": "bench/recipe_w1_rl_step.yaml", "steps": 2, "warmup_steps": 1, "ignore_stop": True,
+        {"recipe": "benchmarks/specs/recipe_w1_rl_step.yaml", "steps": 2, "warmup_steps": 1, "ignore_stop": True,
          "overrides": overrides}, frameworks=["slipstream", "trl"], backends=["fsdp"],
     ))  # fmt: skip
     rows = run_matrix(spec, tmp_path / "results.jsonl")

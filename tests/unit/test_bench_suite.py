@@ -174,7 +174,7 @@ def test_quick_real_model_reports_the_eval_curve_and_the_async_ratio(tmp_path):
 
 
 def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
-    from slipstream.bench.suite_entries import command_row
+    from benchmarks.suite_entries import command_row
 
     monkeypatch.setenv("SLIPSTREAM_ROW_DEADLINE", str(time.time() + 2))
     start = time.monotonic()
@@ -185,7 +185,7 @@ def test_a_command_ends_by_its_rows_deadline_and_keeps_its_output(monkeypatch):
 
 
 def test_w1_summary_pairs_each_peer_recompute_policy_with_slipstream_at_that_policy():
-    from slipstream.bench.suite_entries import w1_summary
+    from benchmarks.suite_entries import w1_summary
 
     def row(name: str, recompute: str, tok_per_s: float) -> dict:
         return {"row": name, "kind": "matrix", "status": "ok", "fairness": {"recompute": recompute},
@@ -202,7 +202,7 @@ def test_w1_summary_pairs_each_peer_recompute_policy_with_slipstream_at_that_pol
 
 def test_async_gpus_splits_follow_the_measured_rollout_share_and_the_speedup_is_against_its_own_sync_row():
     from slipstream.bench.report import suite_markdown
-    from slipstream.bench.suite_entries import W1_ROLLOUT_SHARE, async_gpus_summary, async_splits
+    from benchmarks.suite_entries import W1_ROLLOUT_SHARE, async_gpus_summary, async_splits
 
     assert 0.78 < W1_ROLLOUT_SHARE < 0.79  # 15.50 s of generation in a 19.70 s generate + train step
     # 1:1, the suggested split (round(0.787 N) rollout GPUs, with max_staleness 4 too) and N-1 : 1, never 0 or N

@@ -1,6 +1,6 @@
 """The verl cell of `slipstream bench matrix`: rollout layout, explained rows, spec options, stand-ins.
 
-The tests that run verl itself need a verl site directory (`bash bench/gpu_setup.sh verl-local DIR`)
+The tests that run verl itself need a verl site directory (`bash benchmarks/gpu_setup.sh verl-local DIR`)
 named by SLIPSTREAM_VERL_SITE, and skip without it (CI has none).
 """
 
@@ -17,9 +17,9 @@ from slipstream.bench import train_step as ts
 from slipstream.bench.settings import CellSettings, VerlSettings
 from slipstream.bench.spec import parse_spec
 from slipstream.bench.naive import paired_models
-from slipstream.bench.peers import verl_adapter
-from slipstream.bench.peers.standin import write_standin_site
-from slipstream.bench.peers.verl_runner import verl_rollout_tensors
+from benchmarks.peers import verl_adapter
+from benchmarks.peers.standin import write_standin_site
+from benchmarks.peers.verl_runner import verl_rollout_tensors
 from slipstream.bench.workloads import get_workload, make_lengths
 
 
@@ -116,7 +116,7 @@ def test_standins_import_but_refuse_to_run(tmp_path):
     code = """
 import ray, uvicorn, pydantic
 from ray.util.placement_group import placement_group
-from slipstream.bench.peers.standin import StandInUsed
+from benchmarks.peers.standin import StandInUsed
 
 @ray.remote
 class Actor: ...
@@ -137,7 +137,7 @@ print("ok", ray.IS_SLIPSTREAM_STANDIN)
     site = write_standin_site(tmp_path / "standins")
     packages = sorted(p.name for p in site.iterdir() if (p / "__init__.py").is_file())
     assert packages == sorted(verl_adapter.STANDINS)  # the row lists exactly the stand-ins written
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(verl_adapter.SLIPSTREAM_ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(verl_adapter.SLIPSTREAM_ROOT), str(verl_adapter.BENCHMARKS_ROOT)])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok True"

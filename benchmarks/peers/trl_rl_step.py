@@ -28,7 +28,7 @@ import random
 import tempfile
 import time
 
-from slipstream.bench.peers import missing_result, peer_version
+from benchmarks.peers import missing_result, peer_version
 
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
 

@@ -1,6 +1,6 @@
 """varlen (FlashAttention via torch varlen_attn) vs flex_attention (document mask) on W1 lengths (GPU).
 
-    python bench/bench_attention.py [--tokens 32768] [--out result.json]
+    python benchmarks/tools/bench_attention.py [--tokens 32768] [--out result.json]
 
 Packs W1's sequence lengths (shuffled, seed of the workload) into one micro-batch of up to
 `--tokens` tokens, with qwen3-1.7b's attention shape (16 query heads, 8 kv heads, head dim 128,

@@ -1,6 +1,6 @@
 """Decode attention over the slot cache: Triton split-K launch configurations vs FlashAttention (GPU).
 
-    python bench/bench_decode_attention.py [--out results.json]
+    python benchmarks/tools/bench_decode_attention.py [--out results.json]
 
 qwen3's attention shape (16 query heads on 8 kv heads, head dim 128, bf16), one query per
 sequence, contexts drawn around a mean per case, each sequence in its own cache slot. Every

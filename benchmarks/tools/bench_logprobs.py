@@ -1,6 +1,6 @@
 """Time fwd+bwd of linear -> logprob (+ entropy): naive full logits vs slipstream's chunked impls.
 
-Usage (CUDA): python bench/bench_logprobs.py [--sizes 8192x151936x2048 ...] [--out bench_logprobs.json]
+Usage (CUDA): python benchmarks/tools/bench_logprobs.py [--sizes 8192x151936x2048 ...] [--out bench_logprobs.json]
 
 Each row: one (T tokens, V vocab, H hidden) size and one implementation, bf16 inputs.
 "naive" builds full logits, .float(), log_softmax and gather (what most RL trainers do).

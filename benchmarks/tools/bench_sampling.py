@@ -1,6 +1,6 @@
 """Sampling one token per row on the GPU: the LM head's fp32 logits then a sampler, against the fused kernel.
 
-    python bench/bench_sampling.py [--hidden 1024] [--out results.json]
+    python benchmarks/tools/bench_sampling.py [--hidden 1024] [--out results.json]
 
 qwen3's vocabulary (151,936), bf16 hidden states and LM head (hidden size 1024: qwen3-0.6b; 2048: 1.7b),
 temperature 0.6 without top-k / top-p (the rollout's default mode), rows 256 / 128 / 32 / 8 (a decode step's

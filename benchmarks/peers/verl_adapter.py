@@ -2,9 +2,9 @@
 
 Why a subprocess: verl 0.9.1 pins transformers<5.11 and tensordict<=0.10 (slipstream runs
 transformers 5.17 on the GPU machine, 5.24 here), so verl lives in its own site directory
-(`bench/gpu_setup.sh` builds it from wheels) named by `peers.verl.site_dir` or the
+(`benchmarks/gpu_setup.sh` builds it from wheels) named by `peers.verl.site_dir` or the
 environment variable SLIPSTREAM_VERL_SITE. verl_runner.py runs with PYTHONPATH =
-<site>:<stand-ins>:<slipstream> and no other PYTHONPATH; slipstream's own cells never see it.
+<site>:<stand-ins>:<slipstream>:<this checkout> and no other PYTHONPATH; slipstream's own cells never see it.
 
 What is timed (verl_runner.py; CUDA events, warm-up discarded, peak memory reset per call):
   actor_train  RayPPOTrainer._update_actor's body without Ray: the rollout-shaped DataProto ->
@@ -53,18 +53,21 @@ from pathlib import Path
 
 import torch
 
+import slipstream.bench
+from benchmarks.peers import PEERS, missing_result
+from benchmarks.peers.standin import STANDINS, write_standin_site
 from slipstream.bench import train_step as ts
 from slipstream.bench.settings import CellSettings, VerlSettings
-from slipstream.bench.peers import PEERS, missing_result
-from slipstream.bench.peers.standin import STANDINS, write_standin_site
 from slipstream.bench.workloads import Workload, seq_lens
 from slipstream.models.presets import get_preset
 from slipstream.perf.flops import forward_flops, train_flops
 
 SITE_ENV = "SLIPSTREAM_VERL_SITE"
 """Environment variable naming verl's site directory when the spec's peers.verl.site_dir is unset."""
-SLIPSTREAM_ROOT = Path(__file__).resolve().parents[3]
+SLIPSTREAM_ROOT = Path(slipstream.bench.__file__).resolve().parents[2]
 """The directory holding the `slipstream` package (the repository, or site-packages when installed)."""
+BENCHMARKS_ROOT = Path(__file__).resolve().parents[2]
+"""The repository checkout holding `benchmarks/` (the verl runner and the stand-ins import from it)."""
 
 MEGATRON_REASON = (
     "verl 0.9.1's Megatron engine cannot run on the GPU machine: MegatronEngine asserts use_mbridge=True and "
@@ -75,7 +78,7 @@ MEGATRON_REASON = (
     "transformers<5.9, flashinfer and nvidia-resiliency-ext)"
 )
 WORKAROUNDS = (
-    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (slipstream/bench/peers/standin.py, written to a "
+    "import-only stand-ins for ray, uvicorn, fastapi, pydantic (benchmarks/peers/standin.py, written to a "
     "temporary directory): imported at verl module load, never called on the timed path (a call raises)",
     "trl hidden from the verl process (verl 0.9.1 pins trl==0.27; it only patches a critic value-head class)",
     "rollout skipped: the pre-built batch stands in for verl's rollout output (left-padded prompts, right-padded "
@@ -113,9 +116,11 @@ def resolve_site(verl: VerlSettings) -> tuple[Path | None, str | None]:
 
 
 def runner_env(site: Path, standins: Path) -> dict[str, str]:
-    """The subprocess environment: verl's site first, then the stand-ins, then slipstream; no inherited PYTHONPATH."""
+    """The subprocess environment: verl's site first, then the stand-ins, then slipstream and benchmarks/; no
+    inherited PYTHONPATH."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(standins), str(SLIPSTREAM_ROOT)])
+    roots = dict.fromkeys([str(SLIPSTREAM_ROOT), str(BENCHMARKS_ROOT)])  # one entry when slipstream is the checkout's
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(standins), *roots])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -126,7 +131,7 @@ def run_runner(request: dict, site: Path) -> dict:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
         standins = write_standin_site(Path(tmp) / "standins")
-        cmd = [sys.executable, "-m", "slipstream.bench.peers.verl_runner", "--request", str(req), "--out", str(out)]
+        cmd = [sys.executable, "-m", "benchmarks.peers.verl_runner", "--request", str(req), "--out", str(out)]
         proc = subprocess.run(cmd, env=runner_env(site, standins), cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -223,7 +228,7 @@ def cell_result(w: Workload, settings: CellSettings, verl: VerlSettings, r: dict
 def _attention_text(attn: str, verl: VerlSettings) -> str:
     if attn == "torch_varlen":
         return ("verl's remove-padding varlen call (cu_seqlens from position ids) on torch varlen_attn, torch's "
-                "bundled FlashAttention-2, standing in for flash-attn (slipstream/bench/peers/verl_varlen.py)")  # fmt: skip
+                "bundled FlashAttention-2, standing in for flash-attn (benchmarks/peers/verl_varlen.py)")  # fmt: skip
     layout = "one packed row" if verl.use_remove_padding else "padded rows, attention mask"
     return f"HF {attn} ({layout}; use_remove_padding={verl.use_remove_padding})"
 

@@ -1,6 +1,6 @@
 """Where does the actor update's time go? GPU-kernel time per category for one full W1 update.
 
-    python bench/profile_step.py --workload W1 --backend fsdp --max-tokens-per-mb 32768 --compile
+    python benchmarks/tools/profile_step.py --workload W1 --backend fsdp --max-tokens-per-mb 32768 --compile
 
 Builds exactly what `slipstream bench train-step` times (same engine, workload, planner), runs
 two warm-up updates, times one with CUDA events, then records one under torch.profiler and

@@ -37,7 +37,7 @@ PEERS: dict[str, PeerInfo] = {
     "liger-kernel": PeerInfo(
         name="liger-kernel",
         module="liger_kernel",
-        # A 0.9 MB pure-Python + Triton wheel; the GPU machine gets it carried (bench/gpu_setup.sh).
+        # A 0.9 MB pure-Python + Triton wheel; the GPU machine gets it carried (benchmarks/gpu_setup.sh).
         install="pip install --no-deps liger-kernel==0.8.5",
         note="TRL's use_liger_kernel=True needs it; its kernels are Triton, so the cell runs on a GPU only.",
     ),
@@ -45,8 +45,8 @@ PEERS: dict[str, PeerInfo] = {
         name="verl",
         module="verl",
         install=(
-            "bash bench/gpu_setup.sh download, carry .whl, then on the GPU machine: source bench/gpu_setup.sh install "
-            "(sets SLIPSTREAM_VERL_SITE); for this python: bash bench/gpu_setup.sh verl-local DIR"
+            "bash benchmarks/gpu_setup.sh download, carry .whl, then on the GPU machine: source benchmarks/gpu_setup.sh install "
+            "(sets SLIPSTREAM_VERL_SITE); for this python: bash benchmarks/gpu_setup.sh verl-local DIR"
         ),
         note=(
             "verl 0.9.1 pins transformers<5.11 and tensordict<=0.10, which conflict with slipstream's "

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from slipstream.bench.registry import Entry, Row, gpu_count, register
 
-REPO = Path(__file__).resolve().parents[2]
-"""The source checkout (recipes/, bench/ and tests/ live there; an installed package has none)."""
+REPO = Path(__file__).resolve().parents[1]
+"""The source checkout (recipes/, benchmarks/ and tests/ live there; an installed package has none)."""
 QUICK = dict(workloads=["tiny"], dtype="float32", max_tokens_per_mb=128, compile=False, repeats=1, warmup=0, device="cpu")
 """The CPU-sized settings of every --quick train-step row."""
 
@@ -46,7 +46,7 @@ def command_row(cmd: list[str], out_json: bool = False, timeout_s: float | None 
     The limit is `timeout_s`, and never later than the suite row's own deadline (SLIPSTREAM_ROW_DEADLINE,
     set by the process that runs the row), so the command is never left running after its row is given
     up. A command past its limit is killed with its process tree and gives an error row with its output."""
-    missing = [c for c in cmd if c.startswith(("bench/", "tests/", "recipes/")) and not (REPO / c).exists()]
+    missing = [c for c in cmd if c.startswith(("benchmarks/", "tests/", "recipes/")) and not (REPO / c).exists()]
     if missing:
         return {"kind": "command", "status": "skipped", "reason": f"needs a source checkout ({missing[0]} not found)"}
     deadline = os.environ.get("SLIPSTREAM_ROW_DEADLINE")
@@ -253,8 +253,8 @@ def memory_curve_rows(quick: bool) -> list[Row]:
 
 
 def profile_rows(quick: bool) -> list[Row]:
-    """Kernel time per category of one W1 update (bench/profile_step.py)."""
-    base = ["bench/profile_step.py", "--workload", "W1", "--max-tokens-per-mb", "32768"]
+    """Kernel time per category of one W1 update (benchmarks/tools/profile_step.py)."""
+    base = ["benchmarks/tools/profile_step.py", "--workload", "W1", "--max-tokens-per-mb", "32768"]
     configs = {
         "fsdp-none-compile": ["--backend", "fsdp", "--compile"],
         "fsdp-full-compile": ["--backend", "fsdp", "--compile", "--activation-checkpointing", "full"],
@@ -264,13 +264,13 @@ def profile_rows(quick: bool) -> list[Row]:
 
 
 def attention_rows(quick: bool) -> list[Row]:
-    """varlen (torch's FlashAttention-2) vs flex_attention on W1's lengths (bench/bench_attention.py)."""
-    return [Row("varlen-vs-flex", lambda: command_row(["bench/bench_attention.py", "--out"], out_json=True), 60)]
+    """varlen (torch's FlashAttention-2) vs flex_attention on W1's lengths (benchmarks/tools/bench_attention.py)."""
+    return [Row("varlen-vs-flex", lambda: command_row(["benchmarks/tools/bench_attention.py", "--out"], out_json=True), 60)]
 
 
 def logprob_kernel_rows(quick: bool) -> list[Row]:
-    """Fused log-prob (+ entropy) implementations against full fp32 logits (bench/bench_logprobs.py)."""
-    return [Row("sizes", lambda: command_row(["bench/bench_logprobs.py", "--out"], out_json=True), 120)]
+    """Fused log-prob (+ entropy) implementations against full fp32 logits (benchmarks/tools/bench_logprobs.py)."""
+    return [Row("sizes", lambda: command_row(["benchmarks/tools/bench_logprobs.py", "--out"], out_json=True), 120)]
 
 
 def gpu_test_rows(quick: bool) -> list[Row]:
@@ -419,7 +419,7 @@ ASYNC_STALENESS_1 = ["trainer.mode=async", "trainer.max_staleness=1"]
 
 
 def rl_step_w1_rows(quick: bool) -> list[Row]:
-    """The W1-shaped RL step (bench/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
+    """The W1-shaped RL step (benchmarks/specs/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
     3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated); and
     slipstream against TRL's GRPOTrainer on one fixed budget of 512 new tokens per sample."""
     if quick:  # the demo recipe, CPU-sized
@@ -427,7 +427,7 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
               "overrides": ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]}  # fmt: skip
         device = "cpu"
     else:
-        rl = {"recipe": os.path.relpath(REPO / "bench" / "recipe_w1_rl_step.yaml"), "steps": 3, "warmup_steps": 1,
+        rl = {"recipe": os.path.relpath(REPO / "benchmarks" / "specs" / "recipe_w1_rl_step.yaml"), "steps": 3, "warmup_steps": 1,
               "budgets": "w1", "ignore_stop": True, "overrides": []}  # fmt: skip
         device = "cuda"
     # sync-awake: the engine keeps its weights, KV cache and decode graphs while the actor trains (no sleep /
@@ -443,7 +443,7 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
              "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
         for name, extra in modes.items()
     ]  # fmt: skip
-    # slipstream and TRL's GRPOTrainer on one fixed budget (bench/matrix_rl_step_fixed_trl.yaml): 512 new tokens
+    # slipstream and TRL's GRPOTrainer on one fixed budget (benchmarks/specs/matrix_rl_step_fixed_trl.yaml): 512 new tokens
     fixed = {**rl, "budgets": None, "name": "fixed-512-rl-step", "overrides": [*rl["overrides"], "rollout.max_new_tokens=512"]}
     if quick:
         fixed["overrides"] = [*rl["overrides"], "rollout.max_new_tokens=2"]
@@ -530,7 +530,7 @@ def async_gpus_rows(quick: bool) -> list[Row]:
         recipe = ["recipes/demo.yaml", "trainer.total_steps=4", "reward.num_workers=0"]
         warmup, samples, recipe_samples = 1, 16 * 8, 16 * 8
     else:
-        base = ["bench/recipe_w1_rl_step.yaml", "trainer.total_steps=6", "rollout.max_new_tokens=2048"]
+        base = ["benchmarks/specs/recipe_w1_rl_step.yaml", "trainer.total_steps=6", "rollout.max_new_tokens=2048"]
         recipe = ["recipes/smollm2-rg.yaml", "trainer.device=cuda", "trainer.stall_dump_s=120"]
         warmup, samples, recipe_samples = 2, 8 * 8, 16 * 8
     variants = {f"sync-colocated-x{n}": ["trainer.mode=sync"]}

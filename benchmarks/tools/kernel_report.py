@@ -1,7 +1,7 @@
 """Compile the rollout's Triton kernels for an H100 / H200 (sm_90) on any machine, GPU or not, and report what
 the compiler made of them: registers, spills, shared memory, and how the global loads and stores came out.
 
-    python bench/kernel_report.py
+    python benchmarks/tools/kernel_report.py
 
 Needs triton (3.6's `ASTSource` API) with its bundled ptxas; no GPU. Each kernel is compiled with the
 launch the code uses (`ops/sampling.py:HEAD_LAUNCH`, `ops/decode_attention.py:LAUNCH`, ...) at qwen3-0.6b's

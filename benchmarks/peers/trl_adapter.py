@@ -31,12 +31,12 @@ import tempfile
 
 import torch
 
+from benchmarks.peers import missing_result, peer_version
 from slipstream.algo.losses import SpecLoss
 from slipstream.batching.records import PackedBatch
 from slipstream.bench import train_step as ts
 from slipstream.bench.settings import CellSettings, TrlSettings
 from slipstream.bench.naive import build_hf_model, paired_models
-from slipstream.bench.peers import missing_result, peer_version
 from slipstream.bench.workloads import Workload, get_workload, synthetic_batch
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
