@@ -67,6 +67,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, default=Path("bench_results/matrix"),
                    help="directory for results.jsonl, matrix.md and the PNGs (default bench_results/matrix)")  # fmt: skip
     m.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.jsonl, run nothing")
+    m.add_argument("--benchmarks", type=Path, default=None, metavar="DIR",
+                   help="the repository's benchmarks/ (the trl and verl adapters; default: the checkout holding "
+                   "slipstream, else ./benchmarks)")  # fmt: skip
     m.add_argument("--resume", action="store_true",
                    help="keep the rows already in OUT/results.jsonl for this spec and run only the missing cells")  # fmt: skip
     m.set_defaults(func=run_matrix_command)
@@ -174,6 +177,10 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     results = args.out / "results.jsonl"
     try:
+        if args.benchmarks:
+            from slipstream.bench import checkout
+
+            checkout.use(args.benchmarks)
         if not args.report_only:
             spec = load_spec(args.spec)
             run_matrix(spec, results, log=print, resume=args.resume)

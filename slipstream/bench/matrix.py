@@ -8,17 +8,18 @@ each row states its own engine, processes, compile, recompute, micro-batching an
   slipstream x fsdp      bench_train_step(..., backend="fsdp") (the `bench train-step` numbers)
   slipstream x megatron  bench_train_step(..., backend="megatron") (megatron-core engine; compile not applied)
   naive x torch          the plain HF loop (naive.py): padded micro-batches, full fp32 logits
-  trl x accelerate       TRL's own GRPOTrainer loss path (peers/trl_adapter.py): transformers' Trainer on
-                         accelerate in one process (TRL has one engine, so it gets one row, never "fsdp")
-  verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir (peers/verl_adapter.py);
-                         "missing" without a verl site directory
+  trl x accelerate       TRL's own GRPOTrainer loss path (benchmarks/peers/trl_adapter.py): transformers'
+                         Trainer on accelerate in one process (TRL has one engine, so it gets one row, never "fsdp")
+  verl x fsdp            verl 0.9.1's own FSDP actor in a subprocess with its site dir
+                         (benchmarks/peers/verl_adapter.py); "missing" without a verl site directory
   verl x megatron        status "not-available": verl's Megatron engine needs Transformer Engine
 
 `mode: rl-step` runs whole GRPO steps from a recipe instead (rl_step.py): slipstream on the
 local / fsdp / megatron backend at world size 1, TRL's own GRPOTrainer.train(); verl an explained row.
 
-Row statuses: ok, missing (peer not installed; `install` says how), not-available,
-not-applicable, oom, error. Only "ok" rows carry numbers. Timing and statistics follow
+The peer adapters live in the repository's benchmarks/ (checkout.py finds it); without a checkout
+the peer cells are explained rows. Row statuses: ok, missing (peer not installed; `install` says how),
+not-available, not-applicable, oom, error. Only "ok" rows carry numbers. Timing and statistics follow
 train_step.py: warm-up discarded, median / min / max over repeats, real tokens only, model
 FLOPs per DESIGN.md; `rel_spread` = (max - min) / median is the run-to-run noise of a phase.
 """
@@ -122,13 +123,22 @@ def run_cell(spec: MatrixSpec, w: Workload, framework: str, backend: str) -> dic
         from slipstream.bench.naive import run_naive_cell
 
         return run_naive_cell(w, s, spec.naive)
+    adapter = _peer_adapter(framework, "trl_adapter" if framework == "trl" else "verl_adapter")
+    if isinstance(adapter, dict):
+        return adapter
     if framework == "trl":
-        from benchmarks.peers.trl_adapter import run_trl_cell
+        return adapter.run_trl_cell(w, s, spec.trl)
+    return adapter.run_verl_cell(w, s, spec.verl, backend)
 
-        return run_trl_cell(w, s, spec.trl)
-    from benchmarks.peers.verl_adapter import run_verl_cell
 
-    return run_verl_cell(w, s, spec.verl, backend)
+def _peer_adapter(framework: str, module: str):
+    """benchmarks.peers.<module> of the repository checkout, or the explained row of a cell that has none."""
+    from slipstream.bench import checkout
+
+    try:
+        return checkout.load(f"peers.{module}")
+    except checkout.BenchmarksNotFound as err:
+        return {"status": "not-available", "reason": f"no {framework} adapter: {err}"}
 
 
 def _rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend: str) -> dict:
@@ -136,9 +146,8 @@ def _rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend:
     if framework == "slipstream":
         return run_slipstream_rl_step(rl, spec.settings, backend)
     if framework == "trl":
-        from benchmarks.peers.trl_rl_step import run_trl_rl_step_cell
-
-        return run_trl_rl_step_cell(rl, spec.settings, backend)
+        adapter = _peer_adapter(framework, "trl_rl_step")
+        return adapter if isinstance(adapter, dict) else adapter.run_trl_rl_step_cell(rl, spec.settings, backend)
     return {
         "status": "not-available",
         "reason": f"rl-step adapter for {framework} not written yet (its train-step adapter exists; "
@@ -240,10 +249,14 @@ def run_matrix(
     `resume=True` keeps the rows already in `out_jsonl` for this spec and runs only the missing
     (or failed) cells, so a matrix longer than one sitting can be finished in several.
     """
-    from benchmarks.peers import peer_versions
+    from slipstream.bench import checkout
     from slipstream.bench.train_step import env_info
 
-    env = {**env_info(), "peers": peer_versions()}
+    try:
+        peers = checkout.load("peers").peer_versions()
+    except checkout.BenchmarksNotFound:
+        peers = {}  # no peer adapters here: the peer cells are explained rows
+    env = {**env_info(), "peers": peers}
     out = Path(out_jsonl) if out_jsonl is not None else None
     done = finished_rows(spec, out, env) if (resume and out is not None) else {}
     if out is not None:

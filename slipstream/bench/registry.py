@@ -1,6 +1,6 @@
 """The suite's registry: an entry is a named benchmark, its rows, and what it needs (suite.py runs them).
 
-Entries live in suite_entries.py and register themselves there; to add one (a rollout benchmark,
+Entries live in the repository's benchmarks/suite_entries.py and register themselves there; to add one (a rollout benchmark,
 an rl-step run), write its rows(quick) and call `register(Entry(...))`.
 """
 

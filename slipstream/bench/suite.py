@@ -5,8 +5,8 @@
     slipstream bench suite --quick          # every entry CPU-sized: a smoke test in seconds
     slipstream bench suite --gpu --only w1 --out docs/results/suite-2026-12-05 --resume --budget-s 540
 
-An entry (suite_entries.py; `register` adds one) is a name, a description, its rows and what it
-needs (CUDA, several GPUs). Each row is one measurement: on the GPU it runs in a fresh Python
+An entry (the repository's benchmarks/suite_entries.py, found by checkout.py; `register` adds one) is a name,
+a description, its rows and what it needs (CUDA, several GPUs). Each row is one measurement: on the GPU it runs in a fresh Python
 process (an OOM or a hang cannot poison the next row), under a timeout; on the CPU and with
 --quick in this process. Rows are written as they finish to OUT/<entry>.json (date, git commit,
 source digest, GPU, torch, the exact command, the rows, and the entry's summary: ratios computed
@@ -38,8 +38,10 @@ PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _registry() -> dict[str, Entry]:
-    import benchmarks.suite_entries  # noqa: F401  registers the entries
+    """The entries, registered by the repository's benchmarks/suite_entries.py (BenchmarksNotFound without one)."""
+    from slipstream.bench import checkout
 
+    checkout.load("suite_entries")  # registers the entries
     return REGISTRY
 
 
@@ -242,7 +244,15 @@ def run_entry(
 
 def run_suite_command(args: argparse.Namespace) -> int:
     """Entry point of `slipstream bench suite`."""
-    registry = _registry()
+    from slipstream.bench import checkout
+
+    try:
+        if args.benchmarks:
+            checkout.use(args.benchmarks)
+        registry = _registry()
+    except ValueError as err:
+        print(f"bench error: {err}", file=sys.stderr)
+        return 2
     if args.list:
         for e in registry.values():
             minutes = sum(r.estimate_s for r in e.rows(False)) / 60
@@ -281,6 +291,9 @@ def add_suite_parser(sub) -> None:
                    help="keep the ok rows of OUT/<entry>.json from the same commit, GPU and torch; run the rest")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=None, help="start no row that would not finish in this time")
     p.add_argument("--list", action="store_true", help="list the entries and exit")
+    p.add_argument("--benchmarks", type=Path, default=None, metavar="DIR",
+                   help="the repository's benchmarks/ directory (default: the checkout holding slipstream, else "
+                   "./benchmarks)")  # fmt: skip
     p.set_defaults(func=run_suite_command)
 
 
