@@ -20,15 +20,50 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from slipstream.bench.registry import Entry, Row, gpu_count, register
 
 REPO = Path(__file__).resolve().parents[1]
 """The source checkout (recipes/, benchmarks/ and tests/ live there; an installed package has none)."""
+SPECS = REPO / "benchmarks" / "specs"
+"""The matrix specs: each benchmark's cells are defined there once, and the entries below start from them."""
 QUICK = dict(workloads=["tiny"], dtype="float32", max_tokens_per_mb=128, compile=False, repeats=1, warmup=0, device="cpu")
 """The CPU-sized settings of every --quick train-step row."""
 
 
 # ---------------------------------------------------------------- row helpers
+
+
+def spec_file(name: str) -> dict:
+    """benchmarks/specs/<name> as a mapping, its rl-step recipe relative to where the suite runs (the docs run
+    it from the repository root, so results files name no local path)."""
+    spec = yaml.safe_load((SPECS / name).read_text())
+    if "rl_step" in spec:
+        spec["rl_step"] = {**spec["rl_step"], "recipe": os.path.relpath(REPO / spec["rl_step"]["recipe"])}
+    return spec
+
+
+def one_cell(spec: dict, framework: str, backend: str) -> dict:
+    """The spec narrowed to one framework and backend: one suite row."""
+    return {**spec, "frameworks": [framework], "backends": [backend]}
+
+
+def spec_cells(spec: dict) -> list[tuple[str, str]]:
+    """(framework, backend) of the rows of an rl-step spec, in run order: slipstream on each backend, a peer once,
+    under the spec's first backend (TRL has one engine, verl's rl-step cell is an explained row)."""
+    return [(f, b) for f in spec["frameworks"] for b in spec["backends"][: None if f == "slipstream" else 1]]
+
+
+QUICK_RL = {"recipe": os.path.relpath(REPO / "recipes" / "demo.yaml"), "steps": 3, "warmup_steps": 1,
+            "overrides": ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]}  # fmt: skip
+"""The CPU-sized stand-in of every --quick rl-step row: the demo recipe, a few 2-token steps."""
+
+
+def quick_rl_step(spec: dict, *overrides: str) -> dict:
+    """An rl-step spec CPU-sized (the demo recipe on the CPU), keeping its cells, run name and `overrides`."""
+    rl = {**QUICK_RL, "name": spec["rl_step"].get("name", "demo"), "overrides": [*QUICK_RL["overrides"], *overrides]}
+    return {**spec, "device": "cpu", "rl_step": rl}
 
 
 def matrix_row(label: str, spec: dict) -> dict:
@@ -126,18 +161,21 @@ def w1_rows(workload: str, quick: bool) -> list[Row]:
     configurations, verl at its best (none / full), and the fused log-prob op's memory (entropy off / on)."""
     from slipstream.bench.train_step import logprob_memory_check
 
+    # the held-constant settings and the peers' configurations of benchmarks/specs/matrix_w1.yaml (verl as its
+    # users run it: remove padding, varlen attention on torch's kernel, fused log-prob kernels); the rows vary
+    # the recompute policy and TRL's Liger kernels
+    spec = spec_file("matrix_w1.yaml")
+    assert workload in [w if isinstance(w, str) else w["name"] for w in spec["workloads"]], workload
+    trl, verl = spec["peers"]["trl"], spec["peers"]["verl"]
     if quick:
-        base, trl_mbs, naive_mbs, verl_backend = QUICK, 4, 3, "torch"
+        base, naive_mbs = QUICK, 3
+        trl = {**trl, "per_device_train_batch_size": 4}
+        verl = {**verl, "fused_kernels_backend": "torch", "use_torch_compile": False}
         op = dict(num_tokens=512, vocab_size=1000, hidden_size=32, dtype_name="float32", device="cpu")
     else:
-        base = dict(workloads=[workload], dtype="bfloat16", max_tokens_per_mb=32768, compile=True, repeats=2, warmup=1)
-        trl_mbs, naive_mbs, verl_backend = 8, 4, "triton"
+        held = ("dtype", "max_tokens_per_mb", "compile", "repeats", "warmup")
+        base, naive_mbs = {"workloads": [workload], **{k: spec[k] for k in held}}, 4
         op = dict(num_tokens=65536, vocab_size=151936, hidden_size=2048, dtype_name="bfloat16", device=None)
-    trl = {"per_device_train_batch_size": trl_mbs}
-    # verl as its users run it: remove padding (varlen attention, here torch's kernel) and fused log-prob kernels
-    verl = {"strategy": "fsdp2", "attn_implementation": "torch_varlen", "use_remove_padding": True,
-            "use_fused_kernels": True, "fused_kernels_backend": verl_backend, "use_dynamic_bsz": True,
-            "use_torch_compile": not quick}  # fmt: skip
     bf16 = {"dtype": "bfloat16"} if quick else {}  # bf16 master weights need bf16 compute
 
     def op_row(with_entropy: bool) -> dict:
@@ -273,6 +311,25 @@ def logprob_kernel_rows(quick: bool) -> list[Row]:
     return [Row("sizes", lambda: command_row(["benchmarks/tools/bench_logprobs.py", "--out"], out_json=True), 120)]
 
 
+def sampling_rows(quick: bool) -> list[Row]:
+    """The sampling kernel against the LM-head matmul + `sample_rows` (benchmarks/tools/bench_sampling.py)."""
+    return [Row(f"hidden-{h}", lambda h=h: command_row(["benchmarks/tools/bench_sampling.py", "--hidden", str(h), "--out"],
+                                                       out_json=True), 60)
+            for h in (1024, 2048)]  # fmt: skip
+
+
+def decode_attention_rows(quick: bool) -> list[Row]:
+    """The Triton decode-attention launches and grid orders (benchmarks/tools/bench_decode_attention.py)."""
+    cmd = ["benchmarks/tools/bench_decode_attention.py", "--out"]
+    return [Row("launches", lambda: command_row(cmd, out_json=True), 120)]
+
+
+def kernel_report_rows(quick: bool) -> list[Row]:
+    """Registers, shared memory and spills of the Triton kernels compiled for sm_90 (benchmarks/tools/kernel_report.py;
+    triton's compiler only, no GPU): the report is the row's output."""
+    return [Row("sm90", lambda: command_row(["benchmarks/tools/kernel_report.py"]), 60)]
+
+
 def gpu_test_rows(quick: bool) -> list[Row]:
     """`pytest -s tests/gpu`: parity tests (Megatron vs FSDP, kernels vs references) print their measured errors."""
     cmd = ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--durations=5", "tests/gpu"]
@@ -365,19 +422,13 @@ def demo_rows(quick: bool) -> list[Row]:
 
 
 def rl_step_rows(quick: bool) -> list[Row]:
-    """Whole GRPO steps of the demo recipe: slipstream on each backend and TRL's own GRPOTrainer.train()."""
-    device = "cpu" if quick or gpu_count() == 0 else "cuda"
-    steps, warmup = (3, 1) if quick else ((8, 2) if device == "cuda" else (6, 1))
-    overrides = ["reward.num_workers=0"] + (["rollout.prompts_per_step=4", "rollout.max_new_tokens=2"] if quick else [])
-    # relative to where the suite runs (the repository root, as in the docs), so results files name no local path
-    recipe = os.path.relpath(REPO / "recipes" / "demo.yaml")
-    rl = {"recipe": recipe, "steps": steps, "warmup_steps": warmup, "overrides": overrides}
-    cells = [("slipstream", "local"), ("slipstream", "fsdp"), ("slipstream", "megatron"), ("trl", "local")]
-    return [
-        _row(f"{f}-{b}" if f == "slipstream" else f, f, {"mode": "rl-step", "frameworks": [f], "backends": [b],
-             "device": device, "rl_step": {**rl, "name": "demo"}}, 60)
-        for f, b in cells
-    ]  # fmt: skip
+    """Whole GRPO steps of the demo recipe: slipstream on each backend and TRL's own GRPOTrainer.train()
+    (benchmarks/specs/matrix_rl_step_gpu.yaml on a GPU, matrix_rl_step_tiny.yaml on the CPU)."""
+    on_gpu = not quick and gpu_count() > 0
+    spec = spec_file("matrix_rl_step_gpu.yaml" if on_gpu else "matrix_rl_step_tiny.yaml")
+    if quick:
+        spec = quick_rl_step(spec)
+    return [_row(f"{f}-{b}" if f == "slipstream" else f, f, one_cell(spec, f, b), 60) for f, b in spec_cells(spec)]
 
 
 NANOVLLM_06B_VARIANTS = {
@@ -419,17 +470,13 @@ ASYNC_STALENESS_1 = ["trainer.mode=async", "trainer.max_staleness=1"]
 
 
 def rl_step_w1_rows(quick: bool) -> list[Row]:
-    """The W1-shaped RL step (benchmarks/specs/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets linspace(256,
-    3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1 (colocated); and
-    slipstream against TRL's GRPOTrainer on one fixed budget of 512 new tokens per sample."""
-    if quick:  # the demo recipe, CPU-sized
-        rl = {"recipe": os.path.relpath(REPO / "recipes" / "demo.yaml"), "steps": 3, "warmup_steps": 1,
-              "overrides": ["reward.num_workers=0", "rollout.prompts_per_step=4", "rollout.max_new_tokens=2"]}  # fmt: skip
-        device = "cpu"
-    else:
-        rl = {"recipe": os.path.relpath(REPO / "benchmarks" / "specs" / "recipe_w1_rl_step.yaml"), "steps": 3, "warmup_steps": 1,
-              "budgets": "w1", "ignore_stop": True, "overrides": []}  # fmt: skip
-        device = "cuda"
+    """The W1-shaped RL step (benchmarks/specs/matrix_rl_step_w1.yaml: qwen3-1.7b, 8 prompts x 8, budgets
+    linspace(256, 3584), stop tokens ignored) on one GPU: synchronous, and asynchronous with max_staleness 1
+    (colocated); and slipstream against TRL's GRPOTrainer on one fixed budget of 512 new tokens per sample
+    (matrix_rl_step_fixed_trl.yaml)."""
+    w1, fixed = spec_file("matrix_rl_step_w1.yaml"), spec_file("matrix_rl_step_fixed_trl.yaml")
+    if quick:
+        w1, fixed = quick_rl_step(w1), quick_rl_step(fixed, "rollout.max_new_tokens=2")
     # sync-awake: the engine keeps its weights, KV cache and decode graphs while the actor trains (no sleep /
     # wake, no graph recapture each step): what the sleep costs where the memory allows both
     # async-...-shared-stream: the producer's work queued on the trainer's stream (what its own stream buys);
@@ -438,19 +485,16 @@ def rl_step_w1_rows(quick: bool) -> list[Row]:
     modes = {"sync": [], "sync-awake": ["rollout.sleep_during_train=false"], "async-staleness-1": ASYNC_STALENESS_1,
              "async-staleness-1-shared-stream": [*ASYNC_STALENESS_1, "trainer.async_stream=false"],
              "async-staleness-1-reprefill": [*ASYNC_STALENESS_1, "rollout.on_weight_update=reprefill"]}
+    rl = w1["rl_step"]
     rows = [
-        _row(name, "slipstream", {"mode": "rl-step", "frameworks": ["slipstream"], "backends": ["fsdp"], "device": device,
-             "rl_step": {**rl, "name": f"W1-rl-step-{name}", "overrides": [*rl["overrides"], *extra]}}, 180)
+        _row(name, "slipstream", {**w1, "rl_step": {**rl, "name": f"{rl['name']}-{name}",
+                                                    "overrides": [*rl.get("overrides", []), *extra]}}, 180)
         for name, extra in modes.items()
     ]  # fmt: skip
-    # slipstream and TRL's GRPOTrainer on one fixed budget (benchmarks/specs/matrix_rl_step_fixed_trl.yaml): 512 new tokens
-    fixed = {**rl, "budgets": None, "name": "fixed-512-rl-step", "overrides": [*rl["overrides"], "rollout.max_new_tokens=512"]}
-    if quick:
-        fixed["overrides"] = [*rl["overrides"], "rollout.max_new_tokens=2"]
-    for framework in ("slipstream", "trl"):
-        spec = {"mode": "rl-step", "frameworks": [framework], "backends": ["fsdp"], "device": device, "rl_step": fixed}
+    for framework, backend in spec_cells(fixed):
         # estimates from the H200 runs (slipstream 92-150 s, TRL 165 s) with a margin
-        rows.append(_row(f"fixed-512-{framework}", framework, spec, 150 if framework == "slipstream" else 240))
+        rows.append(_row(f"fixed-512-{framework}", framework, one_cell(fixed, framework, backend),
+                         150 if framework == "slipstream" else 240))  # fmt: skip
     return rows
 
 
@@ -530,7 +574,8 @@ def async_gpus_rows(quick: bool) -> list[Row]:
         recipe = ["recipes/demo.yaml", "trainer.total_steps=4", "reward.num_workers=0"]
         warmup, samples, recipe_samples = 1, 16 * 8, 16 * 8
     else:
-        base = ["benchmarks/specs/recipe_w1_rl_step.yaml", "trainer.total_steps=6", "rollout.max_new_tokens=2048"]
+        base = [spec_file("matrix_rl_step_w1.yaml")["rl_step"]["recipe"], "trainer.total_steps=6",
+                "rollout.max_new_tokens=2048"]
         recipe = ["recipes/smollm2-rg.yaml", "trainer.device=cuda", "trainer.stall_dump_s=120"]
         warmup, samples, recipe_samples = 2, 8 * 8, 16 * 8
     variants = {f"sync-colocated-x{n}": ["trainer.mode=sync"]}
@@ -699,6 +744,11 @@ register(Entry("memory-curve", "peak memory against tokens per micro-batch, qwen
 register(Entry("profile", "kernel time per category of one W1 update", profile_rows, has_quick=False))
 register(Entry("attention", "varlen vs flex attention on W1's lengths", attention_rows, has_quick=False))
 register(Entry("logprob-kernels", "fused log-prob kernels vs full logits", logprob_kernel_rows, has_quick=False))
+register(Entry("sampling", "the sampling kernel vs the LM-head matmul + sample_rows", sampling_rows, has_quick=False))
+register(Entry("decode-attention", "Triton decode-attention launches and grid orders", decode_attention_rows,
+               has_quick=False))  # fmt: skip
+register(Entry("kernel-report", "registers, shared memory and spills of the Triton kernels (sm_90)",
+               kernel_report_rows, has_quick=False))  # fmt: skip
 register(Entry("gpu-tests", "the GPU parity tests with their measured errors", gpu_test_rows, has_quick=False))
 register(Entry("multi-gpu", "FSDP2 weak scaling, 8B sharded, Megatron TP=2 vs FSDP, the demo over all GPUs",
                multi_gpu_rows, min_gpus=2, has_quick=False, summary=multi_gpu_summary))  # fmt: skip

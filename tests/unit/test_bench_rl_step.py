@@ -50,7 +50,8 @@ def test_rl_step_spec_parses():
 def test_tiny_rl_step_spec_file(monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe path in the file is relative to the repository root
     spec = load_spec(REPO / "benchmarks" / "specs" / "matrix_rl_step_tiny.yaml")
-    assert spec.rl_step == RLStepSettings(recipe="recipes/demo.yaml", steps=6, warmup_steps=1, name="demo")
+    assert spec.rl_step == RLStepSettings(recipe="recipes/demo.yaml", steps=6, warmup_steps=1, name="demo",
+                                      overrides=("reward.num_workers=0",))
     assert spec.frameworks == ("slipstream", "trl", "verl") and spec.backends == ("local", "fsdp", "megatron")
 
 
