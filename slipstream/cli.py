@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     try:  # start-up: imports (torch), model load, reward workers, resume
-        from slipstream.controller.grpo import Interrupted, build_trainer
+        from slipstream.controller.trainer import Interrupted, build_trainer
         from slipstream.controller.run_dir import RunComplete
         from slipstream.report import write_report
         from slipstream.rewards.runner import RewardError

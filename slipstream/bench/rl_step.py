@@ -156,7 +156,7 @@ def run_slipstream_rl_step(rl: RLStepSettings, settings: CellSettings, backend: 
     """Run `rl.steps` GRPO steps of slipstream on `backend` in a temporary run_dir; the cell's result."""
     import torch
 
-    from slipstream.controller.grpo import RLTrainer
+    from slipstream.controller.trainer import RLTrainer
     from slipstream.ops.attention import kernel_for
 
     with tempfile.TemporaryDirectory(prefix="slipstream-rl-step-") as tmp:

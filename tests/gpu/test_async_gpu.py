@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 from slipstream.controller.producer import RolloutProducer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

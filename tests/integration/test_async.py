@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 
 BASE = ("logging.tensorboard=false", "trainer.export_hf=false", "logging.log_every=1000", "algo.decoupled=true")
 

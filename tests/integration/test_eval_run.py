@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.cli import main
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 
 # the demo with a held-out eval set of two-term sums (100 problems, 24 held out), greedy and sampled
 OVERRIDES = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import NonFiniteLoss, RLTrainer
+from slipstream.controller.trainer import NonFiniteLoss, RLTrainer
 from slipstream.engine.local import OutOfMemory
 
 BASE = [

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 from slipstream.report import write_report
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 from slipstream.engine.distributed import destroy_distributed, free_port
 
 SMALL = (
@@ -163,7 +163,7 @@ def _disaggregated_worker(rank: int, world: int, port: int, run_dir: str, steps:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     try:
-        from slipstream.controller.grpo import build_trainer
+        from slipstream.controller.trainer import build_trainer
 
         cfg = load_config("recipes/demo.yaml", [
             f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "placement.rollout_ranks=1", *extra,
@@ -232,7 +232,7 @@ def test_disaggregated_trains_the_same_on_one_and_two_fsdp_trainer_ranks(tmp_pat
 def test_megatron_beside_rollout_ranks_is_refused_before_any_process_group():
     """Megatron's parallel state spans the whole world: beside rollout ranks every rank stops with one message
     instead of hanging in its set-up."""
-    from slipstream.controller.grpo import build_trainer
+    from slipstream.controller.trainer import build_trainer
 
     cfg = load_config("recipes/demo.yaml", ["placement.rollout_ranks=1", "actor.backend=megatron"])
     with pytest.raises(ValueError, match="megatron is not supported beside rollout ranks"):

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from slipstream.config import load_config
-from slipstream.controller.grpo import RLTrainer
+from slipstream.controller.trainer import RLTrainer
 
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl")
 

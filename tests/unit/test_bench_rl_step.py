@@ -262,7 +262,7 @@ def test_w1_budgets_and_ignored_stops_shape_every_sample(tmp_path):
     """rl_step.budgets=w1 gives sample i of a step the budget linspace(256, 3584)[i]; ignore_stop samples to it."""
     from slipstream.bench.rl_step import shape_rollout
     from slipstream.config import load_config
-    from slipstream.controller.grpo import RLTrainer
+    from slipstream.controller.trainer import RLTrainer
 
     spec = parse_spec({
         "mode": "rl-step", "frameworks": ["slipstream"], "backends": ["local"],
