@@ -64,15 +64,9 @@ class SyncLoop(_StepwiseLoop):
             if st.world > 1:
                 with timer.phase("gather_samples"):
                     samples = st.gather(samples)
-            batch, rewards = st.make_batch(samples)
-            batch = st.attach_logprobs(batch, timer)
-            with timer.phase("actor_train"):
-                metrics = st.train(batch, step_num)
-            with timer.phase("update_weights"):
-                st.sync_weights(step_num + 1)
-        perf = st.perf(batch, samples, timer)
-        perf["perf/rollout_wait_ratio"] = max(0.0, 1.0 - timer.times.get("rollout", 0.0) / timer.times["step"])
-        return {**metrics, **st.sample_metrics(samples, rewards), **perf, **dynamic}
+        metrics = st.learn(samples, step_num, timer)
+        metrics["perf/rollout_wait_ratio"] = max(0.0, 1.0 - timer.times.get("rollout", 0.0) / timer.times["step"])
+        return {**metrics, **dynamic}
 
     def _keep_groups_with_signal(self, samples: list, num_groups: int, timer: PhaseTimer) -> tuple[list, dict]:
         """Dynamic sampling: replace groups whose rewards are all equal with groups of further prompts."""
@@ -134,18 +128,11 @@ class AsyncLoop:
                 with timer.phase("gather_samples"):
                     samples = st.gather(samples)
             samples, dropped = within_bound(samples, step_num, self.max_staleness)
-            batch, rewards = st.make_batch(samples, fresh_version=step_num)
-            batch = st.attach_logprobs(batch, timer)
-            with timer.phase("actor_train"):
-                metrics = st.train(batch, step_num)
-            with timer.phase("update_weights"):
-                self.producer.update_weights(st.engine.export_weights(), step_num + 1)
-        perf = st.perf(batch, samples, timer)
+        metrics = st.learn(samples, step_num, timer, fresh_version=step_num, sync_into=self.producer)
         idle = produced.pop("perf/rollout_idle_time")
-        perf["perf/rollout_wait_ratio"] = min(1.0, idle / timer.times["step"])
+        metrics["perf/rollout_wait_ratio"] = min(1.0, idle / timer.times["step"])
         return {
-            **metrics, **st.sample_metrics(samples, rewards), **perf, **produced,
-            **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
+            **metrics, **produced, **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
         }  # fmt: skip
 
     def state_dict(self, next_step: int) -> dict:
@@ -203,16 +190,7 @@ class DisaggregatedLoop(_StepwiseLoop):
             with timer.phase("wait_rollout"):
                 samples = st.rollout.gather_batch()
             samples, dropped = within_bound(samples, step_num, self.max_staleness)
-            batch, rewards = st.make_batch(samples, fresh_version=step_num)
-            batch = st.attach_logprobs(batch, timer)
-            with timer.phase("actor_train"):
-                metrics = st.train(batch, step_num)
-            with timer.phase("update_weights"):
-                st.sync_weights(step_num + 1)
-        perf = st.perf(batch, samples, timer)
-        perf["perf/rollout_wait_ratio"] = st.rollout.wait_ratio  # the rollout ranks' own, sent with the batch
-        return {
-            **metrics, **st.sample_metrics(samples, rewards), **perf,
-            **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped),
-        }  # fmt: skip
+        metrics = st.learn(samples, step_num, timer, fresh_version=step_num)  # broadcasts to the rollout ranks
+        metrics["perf/rollout_wait_ratio"] = st.rollout.wait_ratio  # the rollout ranks' own, sent with the batch
+        return {**metrics, **st.staleness_metrics(samples, step_num), "async/dropped_stale": float(dropped)}
 

@@ -10,8 +10,9 @@ Each stage takes and returns typed records (`Sample`, `PackedBatch`) or metrics:
     train           PackedBatch -> optimizer steps + metrics engine
     sync_weights    trainer weights -> rollout engine, version + 1
 
-A loop decides only the order and overlap of these calls; the stages never branch on the loop
-or on the backend.
+`learn` is the trainer half of a step, the same in every loop: make_batch -> attach_logprobs ->
+train -> sync_weights -> the step's metrics. A loop decides only how the samples come (the order
+and overlap of the rollout-side calls); the stages never branch on the loop or on the backend.
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ class Stages:
         torch.distributed.all_gather_object(gathered, samples, group=data_parallel_group())
         return sorted((s for part in gathered for s in part), key=lambda s: s.group_id)
 
-    def sync_weights(self, version: int) -> None:
-        """Copy the trainer's weights into the rollout engine (waking it); later tokens carry `version`."""
-        self.rollout.update_weights(self.engine.export_weights(), version=version)
+    def sync_weights(self, version: int, into=None) -> None:
+        """Copy the trainer's weights into the rollout engine (waking it); later tokens carry `version`.
+        `into`: what takes them instead of the rollout engine (the async loop's producer, which holds
+        the engine between two of its steps)."""
+        (into or self.rollout).update_weights(self.engine.export_weights(), version=version)
 
     def release_rollout(self) -> None:
         """Colocated: free the rollout's KV cache and weights while the trainer works (rollout.sleep_during_train)."""
@@ -115,6 +118,25 @@ class Stages:
             self.rollout.sleep()
 
     # ------------------------------------------------------------------ trainer side
+    def learn(
+        self, samples: list[Sample], step_num: int, timer: PhaseTimer, *, fresh_version: int | None = None,
+        sync_into=None,
+    ) -> dict[str, float]:  # fmt: skip
+        """The trainer half of step `step_num`, the same in every loop: advantages and the packed batch,
+        old / ref log-probs, the optimizer steps, the weight sync to version step_num + 1 (into the
+        rollout engine, or `sync_into`), then the step's metrics (training, samples, perf).
+
+        The loop opened `timer`'s "step" phase for its rollout half; this half enters it again (a
+        phase's time adds up over its entries), so perf/step_time covers the whole step."""
+        with timer.phase("step"):
+            batch, rewards = self.make_batch(samples, fresh_version=fresh_version)
+            batch = self.attach_logprobs(batch, timer)
+            with timer.phase("actor_train"):
+                metrics = self.train(batch, step_num)
+            with timer.phase("update_weights"):
+                self.sync_weights(step_num + 1, into=sync_into)
+        return {**metrics, **self.sample_metrics(samples, rewards), **self.perf(batch, samples, timer)}
+
     def make_batch(self, samples: list[Sample], fresh_version: int | None = None) -> tuple[PackedBatch, torch.Tensor]:
         """Group-normalised advantages and the packed batch; also returns the rewards (n,).
 
