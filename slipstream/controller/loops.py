@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
+from slipstream.controller.dynamic_sampling import DynamicSampling, SparePrompts
 from slipstream.controller.producer import RolloutProducer
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import Stages, rollout_oom_advice
@@ -44,6 +45,7 @@ class SyncLoop(_StepwiseLoop):
     def __init__(self, stages: Stages, prompts: PromptSource) -> None:
         self.stages = stages
         self.prompts = prompts
+        self.spares = SparePrompts(prompts)
 
     def step(self, step_num: int) -> dict[str, float]:
         """Train on fresh samples of policy `step_num`; the rollout ends holding version step_num + 1."""
@@ -58,7 +60,7 @@ class SyncLoop(_StepwiseLoop):
                 samples = st.score(samples)
             dynamic = {}
             if st.cfg.algo.dynamic_sampling:  # may generate again: the engine sleeps after it
-                samples, dynamic = self._keep_groups_with_signal(samples, len(records), timer)
+                samples, dynamic = self._dynamic_sampling(samples, step_num, timer)
             with timer.phase("rollout"):
                 st.release_rollout()
             if st.world > 1:
@@ -68,39 +70,37 @@ class SyncLoop(_StepwiseLoop):
         metrics["perf/rollout_wait_ratio"] = max(0.0, 1.0 - timer.times.get("rollout", 0.0) / timer.times["step"])
         return {**metrics, **dynamic}
 
-    def _keep_groups_with_signal(self, samples: list, num_groups: int, timer: PhaseTimer) -> tuple[list, dict]:
-        """Dynamic sampling: replace groups whose rewards are all equal with groups of further prompts."""
+    def _dynamic_sampling(self, samples: list, step_num: int, timer: PhaseTimer) -> tuple[list, dict]:
+        """The groups with a learning signal (controller/dynamic_sampling.py); generates replacements."""
         st = self.stages
-        kept = [g for g in _groups(samples) if st.has_signal(g)]
-        dropped, extra = num_groups - len(kept), 0
-        limit = st.cfg.algo.dynamic_sampling_max_prompts
-        while len(kept) < num_groups and extra < limit:
-            records = self.prompts.next_batch()[: min(num_groups - len(kept), limit - extra)]
-            first = num_groups + extra  # group ids past the step's own
-            extra += len(records)
-            with timer.phase("rollout"), rollout_oom_advice(st.cfg):
-                more = st.generate(records, first)
-            with timer.phase("reward"):
-                more = st.score(more)
-            for g in _groups(more):
-                if st.has_signal(g):
-                    kept.append(g)
+        kept, pending = [], _groups(samples)
+        dynamic = DynamicSampling.for_step(st.cfg, step_num)
+        while pending:
+            replacements = []
+            for group in pending:
+                replacement = dynamic.admit(group, self.spares)
+                if replacement is None:
+                    kept.append(group)
                 else:
-                    dropped += 1
-        metrics = {"async/dropped_zero_adv_groups": float(dropped), "async/extra_prompts": float(extra)}
-        return [s for g in kept for s in g], metrics
-
+                    replacements.append(replacement)
+            pending = []
+            if replacements:  # their ids are consecutive: one call generates them
+                first = replacements[0][0]
+                assert [gid for gid, _ in replacements] == list(range(first, first + len(replacements)))
+                with timer.phase("rollout"), rollout_oom_advice(st.cfg):
+                    more = st.generate([record for _, record in replacements], first)
+                with timer.phase("reward"):
+                    pending = _groups(st.score(more))
+        kept.sort(key=lambda g: g[0].group_id)
+        return [s for g in kept for s in g], dynamic.metrics()
 
 
 class AsyncLoop:
     """One step of the trainer per call; the rollout runs ahead in a producer thread."""
 
     def __init__(self, stages: Stages, prompts: PromptSource) -> None:
-        cfg = stages.cfg
-        if cfg.algo.dynamic_sampling and stages.world > 1:
-            raise ValueError("algo.dynamic_sampling runs in one process only (each rank would draw the same spare prompts)")
         self.stages, self.prompts = stages, prompts
-        self.max_staleness = cfg.trainer.max_staleness
+        self.max_staleness = stages.cfg.trainer.max_staleness
         self.producer: RolloutProducer | None = None
         self._resume_position: int | None = None
         self._starts: dict[int, int] = {}  # batch -> stream position of its first prompt, kept after close()
@@ -108,10 +108,9 @@ class AsyncLoop:
     def _start(self, step_num: int) -> None:
         if self._resume_position is not None:  # re-generate what was in flight at the checkpoint
             self.prompts.dataset.position = self._resume_position
-        a = self.stages.cfg.algo
         self.producer = RolloutProducer(
             self.stages, self.prompts, self.max_staleness, first_step=step_num,
-            dynamic_sampling=a.dynamic_sampling, max_extra_prompts=a.dynamic_sampling_max_prompts,
+            dynamic_sampling=self.stages.cfg.algo.dynamic_sampling,
         )  # fmt: skip
         self.producer.start()
 

@@ -11,8 +11,8 @@ Within a batch, groups are generated with continuous batching next to the reques
 batches. A weight sync does not wait for them: the trainer's `update_weights` takes the engine
 lock between two engine steps, copies the weights in place, and in-flight samples continue (their
 next tokens carry the new version). A group is scored as soon as its last sample finishes; with
-dynamic sampling a group whose rewards are all equal is dropped and the next prompt of the stream
-takes its place, so batch j is always full of groups with a learning signal.
+dynamic sampling (controller/dynamic_sampling.py) a group whose rewards are all equal is dropped
+there and the next spare prompt of the stream takes its place.
 
 On a GPU the producer thread issues its work on a CUDA stream of its own, at high priority: the
 rollout's decode (memory-bound) and the trainer's passes (compute-bound) can then run on the device
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.batching.records import Sample
+from slipstream.controller.dynamic_sampling import DynamicSampling, SparePrompts
 from slipstream.controller.prompts import PromptSource
 from slipstream.controller.stages import Stages, label_group
 
@@ -50,8 +51,8 @@ class _Batch:
     pending: dict[int, list] = field(default_factory=dict)
     """group id -> (record, samples finished so far)."""
     done: list[list[Sample]] = field(default_factory=list)
-    dropped_zero_adv: int = 0
-    extra_prompts: int = 0
+    dynamic: DynamicSampling | None = None
+    """The batch's dynamic-sampling filter (None: every group is trained)."""
 
 
 class RolloutProducer:
@@ -59,11 +60,11 @@ class RolloutProducer:
 
     def __init__(
         self, stages: Stages, prompts: PromptSource, max_staleness: int, first_step: int,
-        dynamic_sampling: bool = False, max_extra_prompts: int = 0,
+        dynamic_sampling: bool = False,
     ) -> None:  # fmt: skip
         self.stages, self.prompts = stages, prompts
         self.max_staleness = max_staleness
-        self.dynamic_sampling, self.max_extra_prompts = dynamic_sampling, max_extra_prompts
+        self.dynamic_sampling = dynamic_sampling
         self.trainer_version = first_step
         self.next_batch = first_step
         self.batches: dict[int, _Batch] = {}
@@ -75,7 +76,7 @@ class RolloutProducer:
         self._stop = False
         self._pause = False
         self._parked = False  # the producer thread waits with nothing in flight (it submits nothing meanwhile)
-        self._spare: list = []  # prompts drawn for replacements, not yet used (dynamic sampling)
+        self.spares = SparePrompts(prompts)  # dynamic sampling's replacements
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         device = stages.engine.device
         own = device.type == "cuda" and stages.cfg.trainer.async_stream
@@ -104,9 +105,9 @@ class RolloutProducer:
             batch = self.batches.pop(step)
             idle, self.idle_s = self.idle_s, 0.0
         groups = sorted(batch.done, key=lambda g: g[0].group_id)
+        dynamic = batch.dynamic or DynamicSampling(step, 0, 0)  # (nothing dropped)
         metrics = {
-            "async/dropped_zero_adv_groups": float(batch.dropped_zero_adv),
-            "async/extra_prompts": float(batch.extra_prompts),
+            **dynamic.metrics(),
             "async/batches_ahead": float(max(self.next_batch - step - 1, 0)),
             "perf/rollout_idle_time": idle,
         }
@@ -207,7 +208,8 @@ class RolloutProducer:
         j = self.next_batch
         stream_start = self.prompts.dataset.position
         first, records = self.stages.my_share(self.prompts.next_batch())
-        batch = _Batch(stream_start=stream_start, needed=len(records))
+        dynamic = DynamicSampling.for_step(self.stages.cfg, j) if self.dynamic_sampling else None
+        batch = _Batch(stream_start=stream_start, needed=len(records), dynamic=dynamic)
         with self.cond:
             self.batches[j] = batch
             self.starts[j] = stream_start
@@ -236,24 +238,11 @@ class RolloutProducer:
     def _finish_group(self, j: int, group_id: int, record, samples: list[Sample]) -> None:
         scored = self.stages.score(label_group(samples, group_id, record))
         batch = self.batches[j]
-        if self.dynamic_sampling and not self.stages.has_signal(scored):
-            batch.dropped_zero_adv += 1
-            if batch.extra_prompts < self.max_extra_prompts:
-                batch.extra_prompts += 1
-                self._submit(j, [(self._replacement_id(j), self._spare_prompt())])
+        if batch.dynamic is not None:
+            replacement = batch.dynamic.admit(scored, self.spares)
+            if replacement is not None:  # dropped: generate the next spare prompt in its place
+                self._submit(j, [replacement])
                 return
-            log.warning("dynamic sampling: no prompt left for step %d after %d extra prompts; "
-                        "training on a zero-advantage group", j + 1, batch.extra_prompts)  # fmt: skip
         with self.cond:
             batch.done.append(scored)
             self.cond.notify_all()
-
-    def _spare_prompt(self):
-        if not self._spare:
-            self._spare = list(self.prompts.next_batch())
-        return self._spare.pop(0)
-
-    def _replacement_id(self, j: int) -> int:
-        """Group ids beyond the batch's own (prompts_per_step onwards), unique within the batch."""
-        batch = self.batches[j]
-        return self.stages.cfg.rollout.prompts_per_step + batch.extra_prompts

@@ -93,11 +93,6 @@ class Stages:
     def score(self, samples: list[Sample]) -> list[Sample]:
         return score_samples(self.tokenizer, self.rewards, samples)
 
-    @staticmethod
-    def has_signal(group: list[Sample]) -> bool:
-        """Whether a group's rewards differ: with all rewards equal, group-normalised advantages are all 0."""
-        return len({s.reward for s in group}) > 1
-
     def gather(self, samples: list[Sample]) -> list[Sample]:
         """Every rank's scored samples on every rank, in group order (the one-process order)."""
         if self.world == 1:

@@ -28,7 +28,7 @@ import torch
 from slipstream.checkpoint.manager import CheckpointManager, trainer_file
 from slipstream.config.loader import dump_yaml
 from slipstream.config.schema import Config, parse_backend
-from slipstream.controller import setup
+from slipstream.controller import dynamic_sampling, setup
 from slipstream.controller.loops import AsyncLoop, DisaggregatedLoop, SyncLoop
 from slipstream.controller.placement import Placement, RemoteRollout, RolloutWorker, make_placement, staleness_bound
 from slipstream.controller.prompts import PromptSource
@@ -92,6 +92,7 @@ class RLTrainer:
                 f"set actor.backend=fsdp{'' if placement is not None else ' (or megatron)'}; the local backend trains "
                 "in one process"
             )
+        dynamic_sampling.check_supported(cfg, self.world, disaggregated=placement is not None)
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
         self.run_dir = open_run_dir(cfg.trainer, overwrite=overwrite, rank=self.rank)
@@ -159,8 +160,6 @@ class RLTrainer:
             world=self.world, peak_flops=peak_flops,
         )  # fmt: skip
         self.stages.decoupled = setup.is_decoupled(cfg)
-        if cfg.algo.dynamic_sampling and self.world > 1:
-            raise ValueError("algo.dynamic_sampling runs in one process only (each rank would draw the same spare prompts)")
         if placement is not None:
             self.loop = DisaggregatedLoop(self.stages, staleness_bound(cfg))
         elif cfg.trainer.mode == "async":

@@ -137,3 +137,26 @@ def test_dynamic_sampling_never_trains_a_zero_advantage_group(tmp_path, mode):
             groups.setdefault(s.group_id, set()).add(s.reward)
         assert len(groups) == groups_per_step
         assert all(len(rewards) > 1 for rewards in groups.values())
+
+
+@pytest.mark.parametrize("max_prompts", [3, 512])
+def test_dynamic_sampling_keeps_the_same_groups_in_sync_and_async(tmp_path, max_prompts):
+    """One implementation filters both loops: at max_staleness 0 the async producer (groups filed as they
+    finish) keeps the groups the sync loop keeps (a whole batch at a time), replacements and ids included,
+    whether or not the extra-prompt limit is reached; unused spare prompts carry over to the next step."""
+    kept = {}
+    for mode in ("sync", "async"):
+        trainer = _trainer(tmp_path / mode, f"trainer.mode={mode}", "trainer.max_staleness=0",
+                           "algo.dynamic_sampling=true", f"algo.dynamic_sampling_max_prompts={max_prompts}")  # fmt: skip
+        batches = _record_batches(trainer)
+        metrics = _run(trainer, 3)
+        kept[mode] = (
+            [[(s.group_id, s.prompt_index, s.response_ids, s.reward) for s in samples] for _, samples in batches],
+            [(m["async/dropped_zero_adv_groups"], m["async/extra_prompts"]) for m in metrics],
+        )
+    assert kept["sync"] == kept["async"]
+    extra = [e for _, e in kept["sync"][1]]
+    assert sum(extra) > 0
+    if max_prompts == 3:  # the limit is reached: the zero-advantage groups past it are trained, batches stay full
+        assert max(extra) == 3
+        assert all(len({gid for gid, *_ in batch}) == trainer.cfg.rollout.prompts_per_step for batch in kept["sync"][0])
