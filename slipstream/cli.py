@@ -72,7 +72,7 @@ def _stopped(stop) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from slipstream.eval.standalone import evaluate_target, write_json
+    from slipstream.evaluate import evaluate_target, write_json
 
     try:
         step, metrics = evaluate_target(args.target, args.recipe, args.overrides, show=args.show)

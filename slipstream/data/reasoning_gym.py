@@ -9,67 +9,21 @@ stream is seeded and resumable exactly as the built-in tasks are.
 
 Each prompt carries its dataset entry (question, answer, metadata) as the JSON text of the
 record's `answer`, with the dataset's name and parameters: the `rg` reward
-(rewards/reasoning_gym.py) rebuilds the dataset in its worker process and calls its
-`score_answer` on the extracted answer.
+(rewards/reasoning_gym.py, which also builds the datasets for this module) rebuilds the dataset
+in its worker process and calls its `score_answer` on the extracted answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import json
 import random
 from dataclasses import dataclass
 
 from slipstream.data.sources import PromptRecord
+from slipstream.rewards.reasoning_gym import create_dataset, encode_entry
 
-INSTALL_HINT = 'pip install -e ".[tasks]" (or pip install reasoning-gym)'
 # Item indices are drawn from [0, INDEX_RANGE); a dataset's item i is seeded by its seed + i.
 INDEX_RANGE = 2**31 - 1
-
-
-def import_reasoning_gym():
-    """The reasoning_gym module, or a ValueError of one line naming the extra to install."""
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ValueError(f"reasoning-gym datasets (rg:...) need the reasoning-gym package: {INSTALL_HINT}") from None
-    return reasoning_gym
-
-
-@functools.lru_cache(maxsize=64)
-def _create(name: str, params_json: str, size: int):
-    rg = import_reasoning_gym()
-    from reasoning_gym.factory import DATASETS
-
-    if name not in DATASETS:
-        close = difflib.get_close_matches(name, list(DATASETS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown reasoning-gym dataset {name!r}{hint} ({len(DATASETS)} datasets, e.g. chain_sum, leg_counting)")
-    params = json.loads(params_json)
-    config_cls = DATASETS[name][1]
-    allowed = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"reasoning-gym dataset {name!r} has no parameter(s) {unknown}; it takes {allowed}")
-    try:
-        return rg.create_dataset(name, seed=0, size=size, **params)
-    except AssertionError as err:  # reasoning-gym validates its configs with assert
-        raise ValueError(f"reasoning-gym dataset {name!r}, parameters {params}: {err}") from None
-
-
-def create_dataset(name: str, params: dict, size: int = INDEX_RANGE):
-    """The reasoning-gym dataset `name` with `params` (cached per process); ValueError for bad names / params."""
-    return _create(name, json.dumps(params, sort_keys=True), size)
-
-
-def encode_entry(name: str, params: dict, entry: dict) -> str:
-    """The ground-truth text a prompt carries to the `rg` reward: JSON of dataset, params and entry."""
-    try:
-        return json.dumps({"dataset": name, "params": params, "entry": entry})
-    except TypeError as err:
-        raise ValueError(f"reasoning-gym dataset {name!r}: its entries are not JSON-serialisable ({err})") from None
 
 
 def parse_rg_source(source: str, params: dict) -> list[tuple[str, float, dict]]:
@@ -116,7 +70,7 @@ class RGTask:
     def __post_init__(self) -> None:
         parts = parse_rg_source(self.source, self.params)
         for name, _, params in parts:
-            create_dataset(name, params)  # fail now on bad names or parameters, not mid-run
+            create_dataset(name, params, INDEX_RANGE)  # fail now on bad names or parameters, not mid-run
         object.__setattr__(self, "_parts", parts)
 
     @property
@@ -130,7 +84,7 @@ class RGTask:
         else:
             name, _, params = rng.choices(parts, weights=[w for _, w, _ in parts])[0]
         index = rng.randrange(INDEX_RANGE)
-        entry = create_dataset(name, params)[index]
+        entry = create_dataset(name, params, INDEX_RANGE)[index]
         return PromptRecord(
             prompt=entry["question"],
             answer=encode_entry(name, params, entry),

@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.cli import main
 from slipstream.data import PromptDataset, make_task
-from slipstream.data import reasoning_gym as rg_data
+from slipstream.rewards import reasoning_gym as rg_datasets
 from slipstream.data.reasoning_gym import parse_rg_source
 from slipstream.rewards.reasoning_gym import rg_reward
 from slipstream.rewards.runner import RewardRunner
@@ -38,14 +38,14 @@ def test_parse_rg_source_needs_no_package():
 
 def test_missing_reasoning_gym_is_one_clear_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails as if not installed
-    rg_data._create.cache_clear()
+    rg_datasets._create.cache_clear()
     with pytest.raises(ValueError) as err:
         make_task("rg:chain_sum", {})
     assert 'pip install -e ".[tasks]"' in str(err.value) and "\n" not in str(err.value)
     assert main(["train", "recipes/demo.yaml", "data.source=rg:chain_sum", f"trainer.run_dir={tmp_path}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and 'pip install -e ".[tasks]"' in lines[0], lines
-    rg_data._create.cache_clear()
+    rg_datasets._create.cache_clear()
 
 
 def _fake_answer(name, entry):
