@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     try:  # start-up: imports (torch), model load, reward workers, resume
         from slipstream.controller.trainer import Interrupted, build_trainer
-        from slipstream.controller.run_dir import RunComplete
+        from slipstream.controller.run_dir import RunComplete, missing_outputs
         from slipstream.report import write_report
         from slipstream.rewards.runner import RewardError
 
@@ -41,6 +41,8 @@ def _train(args: argparse.Namespace) -> int:
         return 130
     except RunComplete as done:
         print(done)
+        if "report.png" in missing_outputs(cfg.trainer) and int(os.environ.get("RANK", "0")) == 0:
+            print(f"wrote the report it was missing: {write_report(cfg.trainer.run_dir)}")
         return 0
     except ValueError as err:  # bad data source, reward name, tokenizer / model mismatch, run_dir in use, ...
         print(f"config error: {err}", file=sys.stderr)
@@ -55,7 +57,11 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     if trainer.rank == 0:  # under torchrun the other ranks only train
         path = write_report(trainer.run_dir)
-        print(f"run finished: {trainer.run_dir} (report: {path})")
+        if trainer.finishing:
+            print(f"{trainer.run_dir} was complete at step {trainer.step_num}; wrote what a stop after its final "
+                  f"checkpoint left out: the HF export ({trainer.run_dir / 'hf'}) and the report ({path})")
+        else:
+            print(f"run finished: {trainer.run_dir} (report: {path})")
     return 0
 
 

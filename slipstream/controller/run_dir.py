@@ -78,6 +78,19 @@ def open_run_dir(trainer: TrainerSection, *, overwrite: bool = False, rank: int 
     return run_dir
 
 
+def missing_outputs(trainer: TrainerSection) -> list[str]:
+    """The final outputs a run in trainer.run_dir lacks: `hf` (with trainer.export_hf) and `report.png`
+    (when there are metrics to plot). A run stopped between its final checkpoint and its end has them
+    missing while its checkpoint says it is complete."""
+    run_dir = Path(trainer.run_dir)
+    missing = []
+    if trainer.export_hf and not (run_dir / "hf").is_dir():
+        missing.append("hf")
+    if (run_dir / "metrics.jsonl").is_file() and not (run_dir / "report.png").is_file():
+        missing.append("report.png")
+    return missing
+
+
 def rewind_metrics(run_dir: Path, step: int) -> None:
     """Keep the rows of run_dir/metrics.jsonl up to `step` (the resume point); move later ones (and a
     line cut short by a kill) to metrics.dropped.jsonl."""

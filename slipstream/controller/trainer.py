@@ -32,7 +32,7 @@ from slipstream.controller import dynamic_sampling, setup
 from slipstream.controller.loops import AsyncLoop, DisaggregatedLoop, SyncLoop
 from slipstream.controller.placement import Placement, RemoteRollout, RolloutWorker, make_placement, staleness_bound
 from slipstream.controller.prompts import PromptSource
-from slipstream.controller.run_dir import open_run_dir, rewind_metrics
+from slipstream.controller.run_dir import RunComplete, missing_outputs, open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.controller.watch import StallWatch, TruncationWatch
 from slipstream.engine.distributed import all_reduce_, data_parallel_group
@@ -78,7 +78,8 @@ class RLTrainer:
         """Build a run, or resume the one in trainer.run_dir. `overwrite` first removes an earlier run's
         output there; `placement` makes this process a trainer rank of a disaggregated run. Raises
         ValueError when the run directory cannot be used and `run_dir.RunComplete` when its run already
-        reached trainer.total_steps (before building anything)."""
+        reached trainer.total_steps (before building anything) with its final outputs written; one whose HF
+        export is missing is built from its final checkpoint, to export."""
         self.cfg = cfg
         self.placement = placement
         # torchrun's environment; the engine's process group is created when the engine is built. With a
@@ -95,7 +96,17 @@ class RLTrainer:
         dynamic_sampling.check_supported(cfg, self.world, disaggregated=placement is not None)
         setup.seed_everything(cfg.trainer.seed)
         self.device = setup.pick_device(cfg.trainer.device)
-        self.run_dir = open_run_dir(cfg.trainer, overwrite=overwrite, rank=self.rank)
+        self.finishing = False
+        """The run was complete but its HF export is missing (a stop after the final checkpoint): fit()
+        trains no step and only exports."""
+        try:
+            self.run_dir = open_run_dir(cfg.trainer, overwrite=overwrite, rank=self.rank)
+        except RunComplete:
+            if "hf" not in missing_outputs(cfg.trainer):
+                raise
+            self.run_dir, self.finishing = Path(cfg.trainer.run_dir), True
+            log.warning("%s reached trainer.total_steps but has no hf/ export (stopped after its final "
+                        "checkpoint): exporting it from that checkpoint", self.run_dir)  # fmt: skip
 
         self.tokenizer = setup.build_tokenizer(cfg)
         model, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))

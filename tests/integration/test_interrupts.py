@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,6 +161,30 @@ def test_run_dir_checks(tmp_path, capsys):
     (tmp_path / "done" / "checkpoints" / "step_000003").mkdir(parents=True)
     assert _train(tmp_path / "done", "trainer.total_steps=3") == 0
     assert "is complete" in capsys.readouterr().out
+
+
+def test_a_rerun_finishes_the_export_and_report_a_stop_after_the_final_checkpoint_left_out(tmp_path, capsys):
+    """A kill between the final checkpoint and the end leaves no hf/ and no report.png: the rerun writes
+    both (the export from that checkpoint, the same weights) and says so; a further rerun has nothing to do."""
+    run = tmp_path / "run"
+    assert _train(run, "trainer.total_steps=2", "trainer.export_hf=true") == 0
+    exported = {p.name: p.read_bytes() for p in (run / "hf").glob("*.safetensors")}
+    assert exported
+    shutil.rmtree(run / "hf")  # what the kill right after saving step_000002 leaves
+    (run / "report.png").unlink()
+    capsys.readouterr()
+    assert _train(run, "trainer.total_steps=2", "trainer.export_hf=true") == 0
+    out = capsys.readouterr().out
+    assert "was complete at step 2" in out and "HF export" in out and "report" in out, out
+    assert {p.name: p.read_bytes() for p in (run / "hf").glob("*.safetensors")} == exported
+    assert (run / "report.png").is_file() and _steps(run) == [1, 2]
+
+    (run / "report.png").unlink()  # only the report missing: written without building the run
+    assert _train(run, "trainer.total_steps=2", "trainer.export_hf=true") == 0
+    out = capsys.readouterr().out
+    assert "is complete" in out and "wrote the report it was missing" in out and (run / "report.png").is_file()
+    assert _train(run, "trainer.total_steps=2", "trainer.export_hf=true") == 0
+    assert "wrote" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("tail", ['{"step": 3, "rew', ""])
