@@ -3,10 +3,14 @@
 Algorithm code never branches on the backend. A backend owns the model's parameters, their
 sharding and precision, the optimizer, and the collective that turns per-rank token counts
 into the global loss denominators.
+
+The pieces every backend shares live here too (token counting, the LossNorm, metric
+reduction, the out-of-memory advice), so no backend imports another backend's module.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,50 @@ class LogProbOutput:
 
     logprobs: torch.Tensor  # (T,) float32
     entropy: torch.Tensor | None  # (T,) float32, only when asked for
+
+
+class OutOfMemory(RuntimeError):
+    """Raised with the setting to change when a micro-batch does not fit."""
+
+
+@contextlib.contextmanager
+def oom_advice(setting: str, micro_batches: Sequence[PackedBatch]):
+    """Turn a CUDA OOM into an OutOfMemory that names the setting to lower."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        largest = max(mb.num_tokens for mb in micro_batches)
+        raise OutOfMemory(
+            f"out of memory with micro-batches of up to {largest} tokens; lower {setting} "
+            f"(or shorten rollout.max_new_tokens). Original error: {err}"
+        ) from err
+
+
+def count_loss_tokens(micro_batches: Sequence[PackedBatch]) -> tuple[int, int]:
+    """(loss tokens, sequences with at least one loss token) of micro-batches, from CPU-side masks.
+
+    A sequence counts for the seq-mean modes when it has at least one loss token, so padding
+    sequences and empty responses do not dilute the mean. Distributed backends all-reduce
+    these two counts (over gloo, no device sync) before calling `make_norm`.
+    """
+    num_tokens = 0
+    num_seqs = 0
+    for mb in micro_batches:
+        mask = mb.loss_mask.cpu()
+        num_tokens += int(mask.sum())
+        has_tokens = torch.zeros(mb.num_seqs, dtype=torch.bool).index_fill_(0, mb.seq_index.cpu()[mask], True)
+        num_seqs += int(has_tokens.sum())
+    return num_tokens, num_seqs
+
+
+def make_norm(num_tokens: float, num_seqs: float, max_response_len: int) -> LossNorm:
+    """LossNorm from global counts; an empty minibatch divides by 1 (its numerator is 0 too)."""
+    return LossNorm(num_loss_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1), max_response_len=max_response_len)
+
+
+def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
+    """Global loss denominators of a single-process minibatch from its CPU-side masks (no device sync)."""
+    return make_norm(*count_loss_tokens(micro_batches), max_response_len)
 
 
 MAX_METRIC_SUFFIX = "_max"

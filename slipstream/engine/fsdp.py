@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection
-from slipstream.engine.base import LogProbOutput
+from slipstream.engine.base import LogProbOutput, count_loss_tokens, make_norm
 from slipstream.engine.distributed import (
     all_reduce_,
     check_same_on_all_ranks,
@@ -50,7 +50,7 @@ from slipstream.engine.distributed import (
 )
 from slipstream.engine.distributed import rank as dp_rank
 from slipstream.engine.distributed import world_size as dp_world_size
-from slipstream.engine.local import LocalEngine, count_loss_tokens, make_norm
+from slipstream.engine.local import LocalEngine
 from slipstream.models import hf
 from slipstream.models.parallelize import CheckpointMode, mixed_precision_policy, parallelize
 from slipstream.models.transformer import Transformer

@@ -17,41 +17,19 @@ import torch
 
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection
-from slipstream.engine.base import LogProbOutput, LossFn, accumulate_metrics, reduce_metrics
+from slipstream.engine.base import (
+    LogProbOutput,
+    LossFn,
+    OutOfMemory,  # noqa: F401  -- re-exported: callers catch the backends' OOM error from here
+    accumulate_metrics,
+    count_norm,
+    oom_advice,
+    reduce_metrics,
+)
 from slipstream.engine.optim import build_optimizer
 from slipstream.models import hf
 from slipstream.models.transformer import Transformer
 from slipstream.ops.logprobs import linear_logprobs
-
-
-class OutOfMemory(RuntimeError):
-    """Raised with the setting to change when a micro-batch does not fit."""
-
-
-def count_loss_tokens(micro_batches: Sequence[PackedBatch]) -> tuple[int, int]:
-    """(loss tokens, sequences with at least one loss token) of micro-batches, from CPU-side masks.
-
-    A sequence counts for the seq-mean modes when it has at least one loss token, so padding
-    sequences and empty responses do not dilute the mean.
-    """
-    num_tokens = 0
-    num_seqs = 0
-    for mb in micro_batches:
-        mask = mb.loss_mask.cpu()
-        num_tokens += int(mask.sum())
-        has_tokens = torch.zeros(mb.num_seqs, dtype=torch.bool).index_fill_(0, mb.seq_index.cpu()[mask], True)
-        num_seqs += int(has_tokens.sum())
-    return num_tokens, num_seqs
-
-
-def make_norm(num_tokens: float, num_seqs: float, max_response_len: int) -> LossNorm:
-    """LossNorm from global counts; an empty minibatch divides by 1 (its numerator is 0 too)."""
-    return LossNorm(num_loss_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1), max_response_len=max_response_len)
-
-
-def count_norm(micro_batches: Sequence[PackedBatch], max_response_len: int) -> LossNorm:
-    """Global loss denominators of a single-process minibatch from its CPU-side masks (no device sync)."""
-    return make_norm(*count_loss_tokens(micro_batches), max_response_len)
 
 
 class LocalEngine:
@@ -156,7 +134,7 @@ class LocalEngine:
     @torch.no_grad()
     def forward_logprobs(self, micro_batches: Sequence[PackedBatch], *, with_entropy: bool = False) -> list[LogProbOutput]:
         out = []
-        with _oom_advice("actor.max_tokens_per_mb", micro_batches):
+        with oom_advice("actor.max_tokens_per_mb", micro_batches):
             for mb in micro_batches:
                 logprobs, entropy = self._logprobs(mb.to(self.device, non_blocking=True), with_entropy)
                 out.append(LogProbOutput(logprobs=logprobs.float(), entropy=None if entropy is None else entropy.float()))
@@ -167,7 +145,7 @@ class LocalEngine:
         self.model.train()
         norm = self._global_norm(micro_batches, max_response_len)
         totals: dict[str, torch.Tensor] = {}
-        with _oom_advice("actor.max_tokens_per_mb", micro_batches):
+        with oom_advice("actor.max_tokens_per_mb", micro_batches):
             for mb in micro_batches:
                 mb = mb.to(self.device, non_blocking=True)
                 logprobs, entropy = self._logprobs(mb, loss_fn.needs_entropy)
@@ -223,15 +201,3 @@ class LocalEngine:
                     if isinstance(value, torch.Tensor):
                         state[key] = value.to(device)
 
-
-@contextlib.contextmanager
-def _oom_advice(setting: str, micro_batches: Sequence[PackedBatch]):
-    """Turn a CUDA OOM into an error that names the setting to lower."""
-    try:
-        yield
-    except torch.OutOfMemoryError as err:
-        largest = max(mb.num_tokens for mb in micro_batches)
-        raise OutOfMemory(
-            f"out of memory with micro-batches of up to {largest} tokens; lower {setting} "
-            f"(or shorten rollout.max_new_tokens). Original error: {err}"
-        ) from err

@@ -8,7 +8,7 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.controller.trainer import NonFiniteLoss, RLTrainer
-from slipstream.engine.local import OutOfMemory
+from slipstream.engine.base import OutOfMemory
 
 BASE = [
     "logging.tensorboard=false", "trainer.export_hf=false", "rollout.prompts_per_step=4", "rollout.group_size=4",

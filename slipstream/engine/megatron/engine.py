@@ -60,9 +60,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from slipstream.batching.records import LossNorm, PackedBatch
 from slipstream.config.schema import ActorSection, MegatronLayout
-from slipstream.engine.base import LogProbOutput, LossFn, accumulate_metrics, reduce_metrics
+from slipstream.engine.base import (
+    LogProbOutput,
+    LossFn,
+    accumulate_metrics,
+    count_loss_tokens,
+    make_norm,
+    oom_advice,
+    reduce_metrics,
+)
 from slipstream.engine.distributed import check_same_on_all_ranks, init_distributed, warn_if_other_device
-from slipstream.engine.local import _oom_advice, count_loss_tokens, make_norm
 from slipstream.engine.megatron import provider
 from slipstream.engine.megatron.convert import megatron_to_hf, merge_tp
 from slipstream.engine.megatron.cpu_compat import cuda_calls_on_cpu
@@ -353,7 +360,7 @@ class MegatronEngine:
             out = LogProbOutput(logprobs=logprobs.float(), entropy=None if entropy is None else entropy.float())
             return logprobs.new_zeros(()), torch.zeros((), dtype=torch.int), out
 
-        with _oom_advice("actor.max_tokens_per_mb", micro_batches), self._compat():
+        with oom_advice("actor.max_tokens_per_mb", micro_batches), self._compat():
             return self._run_schedule(micro_batches, head, forward_only=True)
 
     # ------------------------------------------------------------------ training step
@@ -379,7 +386,7 @@ class MegatronEngine:
             accumulate_metrics(totals, metrics)
             return loss, mb.loss_mask.sum().to(torch.int), {}
 
-        with _oom_advice("actor.max_tokens_per_mb", micro_batches), self._compat():
+        with oom_advice("actor.max_tokens_per_mb", micro_batches), self._compat():
             self._run_schedule(micro_batches, head, forward_only=False)
         def over_ranks(op):
             def reduce(values: torch.Tensor) -> torch.Tensor:
