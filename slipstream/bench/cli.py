@@ -97,8 +97,10 @@ def add_rollout_parser(sub) -> None:
                    help="comma-separated decode kernels to compare in one run: triton, flash (default triton)")
     p.add_argument("--peer-batch", default=None, help="comma-separated batch sizes the peer runs (default: all)")
     p.add_argument("--decode-launch", default=None,
-                   help="the Triton decode kernel's launch, block_n,num_warps,num_stages[,heads_first] (default: "
-                   "ops/decode_attention.py:LAUNCH)")  # fmt: skip
+                   help="the Triton decode kernel's launch, block_n,num_warps,num_stages[,heads_first[,longest_first]] "
+                   "(rollout.decode_launch; default: ops/decode_attention.py:LAUNCH)")  # fmt: skip
+    p.add_argument("--decode-programs-per-sm", type=int, default=None,
+                   help="split programs per SM the decode kernel aims for (rollout.decode_programs_per_sm, default 8)")
     p.add_argument("--steps-per-sync", type=int, default=16,
                    help="decode steps between two looks of the host at the tokens (rollout.decode_steps_per_sync)")
     p.add_argument("--no-overlap-decode", action="store_true",

@@ -28,11 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from slipstream.config.schema import RolloutSection
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
-from slipstream.ops import decode_attention as decode_attention_op
-from slipstream.ops import layer_kernels as layer_kernels_op
-from slipstream.ops import sampling as sampling_op
 from slipstream.perf.mfu import lookup_device
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.kv_cache import kv_bytes_per_token
@@ -211,11 +209,14 @@ def bench_rollout(
     peer_batches: tuple[int, ...] | None = None,
     steps_per_sync: int = 16,
     overlap_decode: bool = True,
+    kernels: RolloutSection | None = None,
     log=print,
     on_row=None,
 ) -> list[dict]:
-    """Rows of (engine, case, call) results; see the module docstring. `on_row(rows)` runs after every
-    row (the command writes its results file there, so a run cut short keeps what it measured)."""
+    """Rows of (engine, case, call) results; see the module docstring. `kernels`: the rollout section whose
+    kernel settings the engine takes (layer_kernels, fused_lm_head, decode_launch, decode_programs_per_sm;
+    default: the config's defaults). `on_row(rows)` runs after every row (the command writes its results file
+    there, so a run cut short keeps what it measured)."""
     from slipstream.rollout.builtin import BuiltinRollout
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -228,13 +229,15 @@ def bench_rollout(
     max_rows = max(c.num_samples for c in cases)
     sampling = SamplingParams(temperature=temperature, max_new_tokens=1, stop_token_ids=())
     rows: list[dict] = []
+    kernels = kernels or RolloutSection()
 
     for kernel in decode_attention:
         start = time.perf_counter()
         engine = BuiltinRollout(
             cfg, dev, dtype, max_batch_size=max_rows, seed=0, compile=compile, cuda_graphs=cuda_graphs,
             gpu_memory_fraction=gpu_memory_fraction, decode_attention=kernel, decode_steps_per_sync=steps_per_sync,
-            overlap_decode=overlap_decode,
+            overlap_decode=overlap_decode, layer_kernels=kernels.layer_kernels, fused_lm_head=kernels.fused_lm_head,
+            decode_launch=kernels.decode_launch, decode_programs_per_sm=kernels.decode_programs_per_sm,
         )  # fmt: skip
         engine.warmup(sampling)
         _sync(dev)
@@ -243,11 +246,11 @@ def bench_rollout(
         settings = {"compile": engine.runner.compile, "cuda_graphs": engine.runner.cuda_graphs,
                     "decode_attention": kernel if dev.type == "cuda" else "sdpa", "dtype": str(dtype).removeprefix("torch."),
                     "decode_steps_per_sync": steps_per_sync, "overlap_decode": overlap_decode,
-                    "fused_lm_head": sampling_op.FUSED_HEAD and dev.type == "cuda",
+                    "fused_lm_head": engine.runner.fused_lm_head and dev.type == "cuda",
                     "layer_kernels": engine.runner.layer_kernels}  # fmt: skip
-        if kernel == "triton" and dev.type == "cuda":  # the launch (environment overrides included) the row ran with
+        if kernel == "triton" and dev.type == "cuda":  # the launch the row ran with
             settings.update(
-                decode_launch=dict(decode_attention_op.LAUNCH), programs_per_sm=decode_attention_op.PROGRAMS_PER_SM
+                decode_launch=dict(engine.runner.decode_launch), programs_per_sm=engine.runner.decode_programs_per_sm
             )
         label = "slipstream" if len(decode_attention) == 1 else f"slipstream-{kernel}"
         for case in cases:
@@ -364,12 +367,12 @@ def run_rollout_command(args) -> int:
             raise ValueError("--profile-first needs --profile FILE")
         if args.steps_per_sync < 1:
             raise ValueError(f"--steps-per-sync must be >= 1, got {args.steps_per_sync}")
-        if args.decode_launch:
-            decode_attention_op.set_launch(args.decode_launch)
-        if args.fused_lm_head:
-            sampling_op.FUSED_HEAD = True
-        if args.no_layer_kernels:
-            layer_kernels_op.ENABLED = False
+        # the flags set the rollout section's kernel fields (validated there), at its defaults when not given
+        given = {"decode_launch": args.decode_launch, "decode_programs_per_sm": args.decode_programs_per_sm}
+        kernels = RolloutSection(
+            layer_kernels=not args.no_layer_kernels, fused_lm_head=args.fused_lm_head,
+            **{key: value for key, value in given.items() if value is not None},
+        )
         batches = tuple(int(b) for b in args.batch.split(","))
         rows = bench_rollout(
             args.preset, args.workload, batches, args.prompt_len, args.new_tokens, args.group, tuple(args.peer),
@@ -377,7 +380,8 @@ def run_rollout_command(args) -> int:
             cuda_graphs=False if args.no_cuda_graphs else None, profile=args.profile, profile_first=args.profile_first,
             decode_attention=tuple(args.decode_attention.split(",")),
             peer_batches=tuple(int(b) for b in args.peer_batch.split(",")) if args.peer_batch else None,
-            steps_per_sync=args.steps_per_sync, overlap_decode=not args.no_overlap_decode, on_row=write,
+            steps_per_sync=args.steps_per_sync, overlap_decode=not args.no_overlap_decode, kernels=kernels,
+            on_row=write,
         )  # fmt: skip
     except ValueError as err:
         print(f"bench error: {err}", file=sys.stderr)

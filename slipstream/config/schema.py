@@ -96,8 +96,27 @@ class RolloutSection:
     """async: samples in flight at a weight sync continue with their cached keys / values (keep) or with the prefix prefilled again by the new weights (reprefill)."""
     decode_attention: Literal["triton", "flash"] = "triton"
     """Decode attention kernel on CUDA: Triton split-K with GQA packing (needs triton), or FlashAttention's varlen forward."""
+    decode_launch: str = "64,4,4,1,1"
+    """Launch of the Triton decode-attention kernel as "block_n,num_warps,num_stages[,heads_first[,longest_first]]" (cache rows per iteration, a power of two; warps; pipeline stages; the kv heads of a sequence neighbours in the grid, 0/1; the longest sequences launched first, 0/1); omitted trailing keys keep these defaults (ops/decode_attention.py:LAUNCH)."""
+    decode_programs_per_sm: int = 8
+    """Split programs per SM the Triton decode kernel aims for: a sequence's context is split across programs until the batch fills the SMs this many times over (at most 16 splits)."""
+    layer_kernels: bool = True
+    """The element-wise work between each layer's GEMMs (q/k norm + RoPE + cache write, SiLU * up) in Triton kernels (CUDA, needs triton); false: the torch code of the layer halves, compiled with rollout.compile."""
+    fused_lm_head: bool = False
+    """Sample with the LM-head matmul inside the sampling kernel, never writing the logits (CUDA, no top-k / top-p); off by default: slower than the matmul and the one-pass sampler on the measured workload."""
     sleep_during_train: bool = True
     """Free the rollout's KV cache and weights while the trainer works (colocated): the weights are dropped, not moved to the host, and come back with the weight sync after the update; false keeps cache, weights and decode graphs (more memory, no re-allocation or graph capture each step)."""
+
+    def __post_init__(self) -> None:
+        # the kernel owns the launch format; imported here so that loading the schema imports no torch
+        from slipstream.ops.decode_attention import parse_launch
+
+        try:
+            parse_launch(self.decode_launch)
+        except ValueError as err:
+            raise ValueError(f"rollout.decode_launch: {err}") from None
+        if self.decode_programs_per_sm < 1:
+            raise ValueError(f"rollout.decode_programs_per_sm must be >= 1, got {self.decode_programs_per_sm}")
 
 
 @dataclass

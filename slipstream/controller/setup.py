@@ -114,7 +114,8 @@ def build_rollout(cfg: Config, model_cfg: ModelConfig, device: torch.device, com
         max_batch_size=r.max_batch_size, seed=r.seed, compile=r.compile, cuda_graphs=r.cuda_graphs,
         gpu_memory_fraction=r.gpu_memory_fraction, prefill_tokens=r.prefill_tokens,
         decode_steps_per_sync=r.decode_steps_per_sync, decode_attention=r.decode_attention,
-        on_weight_update=r.on_weight_update, overlap_decode=r.overlap_decode,
+        on_weight_update=r.on_weight_update, overlap_decode=r.overlap_decode, layer_kernels=r.layer_kernels,
+        fused_lm_head=r.fused_lm_head, decode_launch=r.decode_launch, decode_programs_per_sm=r.decode_programs_per_sm,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -297,6 +298,8 @@ def cache_attention(
     scale: float | None = None,
     decode_kernel: str = "triton",
     order: torch.Tensor | None = None,
+    launch: Mapping[str, int] = decode_attention.LAUNCH,
+    programs_per_sm: int = decode_attention.PROGRAMS_PER_SM,
 ) -> torch.Tensor:
     """Attention of packed queries over a flattened KV cache with ragged lengths: -> (T, Hq, D).
 
@@ -312,7 +315,8 @@ def cache_attention(
 
     CUDA: decoding (one query per sequence, `max_seqlen_q` 1) runs the Triton split-K kernel of
     ops/decode_attention.py (`decode_kernel="triton"`, when triton is installed; bf16, fp16 and
-    fp32 with exact fp32 products; `order`: the decode kernel's `launch_order`, shared by a step's layers); with bf16/fp16, prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
+    fp32 with exact fp32 products; `order`: the decode kernel's `launch_order`, shared by a step's layers;
+    `launch` / `programs_per_sm`: its launch and split target, `rollout.decode_launch` / `decode_programs_per_sm`); with bf16/fp16, prefill and `decode_kernel="flash"` run FlashAttention's varlen forward with `seqused_k` (no
     (B, L) mask, no per-shape plan, graph-capturable; `max_seqlen_k` is only a bound). Elsewhere:
     one SDPA call per sequence over exactly its keys, so a sequence's result does not depend on
     the others.
@@ -320,9 +324,9 @@ def cache_attention(
     triton_decode = decode_kernel == "triton" and decode_attention.available() and q.dtype in _TRITON_DTYPES
     if q.is_cuda and triton_decode and max_seqlen_q == 1 and not causal:
         # one query row per sequence: rows of q are the sequences
-        splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device)
+        splits = decode_attention.choose_splits(q.shape[0], k_cache.shape[1], q.device, programs_per_sm)
         starts = cu_seqlens_k[: q.shape[0]]
-        return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale, order)
+        return decode_attention.decode_attention(q, k_cache, v_cache, starts, seqused_k, splits, scale, order, launch)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = torch.ops.aten._flash_attention_forward(
             q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,

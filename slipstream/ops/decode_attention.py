@@ -19,7 +19,7 @@ lengths grow.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Mapping
 
 import torch
 
@@ -30,41 +30,59 @@ except ImportError:  # the CPU-only install: cache_attention falls back to SDPA
     triton = None
 
 LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 4, "heads_first": 1, "longest_first": 1}
-"""Launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, the
+"""Default launch configuration of the split kernel: cache rows per inner iteration, warps, pipeline stages, the
 grid order (heads_first=1: the programs of one sequence's kv heads are neighbours in the launch
 order, so the GPU runs them together and they read the cache rows, which interleave the heads, as
 one stream; 0: neighbours are sequences of the same head; heads first read ~4% faster on a 256-sequence
 batch), and the sequence order (longest_first=1: the programs of the longest sequences start first, so
 the short ones fill the end of the launch instead of a long one running alone there; the order is one
 argsort of the lengths per decode step, `launch_order`; with several splits a sequence's later splits
-still come after every sequence's first one). Chosen by `bench/bench_decode_attention.py` and nano-vllm's
+still come after every sequence's first one). Chosen by `bench_decode_attention.py` and nano-vllm's
 workload on the H200 (4 stages: +1.0 point of the bound on a first call, longest first +1.1, one run side
-by side; see docs/benchmarks.md). The
-environment variable SLIPSTREAM_DECODE_LAUNCH="block_n,num_warps,num_stages[,heads_first[,longest_first]]"
-(or `slipstream bench rollout --decode-launch`) overrides it."""
+by side; see docs/benchmarks.md). An engine's own launch comes from `rollout.decode_launch`
+(`parse_launch`), passed to `decode_attention` / `launch_order` as `launch`."""
+
+LAUNCH_FORMAT = "block_n,num_warps,num_stages[,heads_first[,longest_first]]"
+"""The text form of a launch (`rollout.decode_launch`, `slipstream bench rollout --decode-launch`)."""
 
 
-def set_launch(text: str) -> None:
-    """Set the leading keys of LAUNCH from "block_n,num_warps,num_stages[,heads_first[,longest_first]]"."""
-    values = [int(v) for v in text.split(",")]
-    if not 3 <= len(values) <= len(LAUNCH):
-        raise ValueError(f"a decode launch is {','.join(LAUNCH)} (the last optional); got {text!r}")
-    LAUNCH.update(zip(LAUNCH, values))
+def parse_launch(text: str) -> dict[str, int]:
+    """A launch from its text form (LAUNCH_FORMAT): the leading keys given, the others at LAUNCH's values.
+
+    block_n is a power of two (the kernel's tile), warps and stages >= 1, the two orders 0 or 1."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    launch = {**LAUNCH, **dict(zip(LAUNCH, values))}
+    n = launch["block_n"]
+    if (
+        not 3 <= len(values) <= len(LAUNCH)
+        or n < 1 or n & (n - 1)
+        or min(launch["num_warps"], launch["num_stages"]) < 1
+        or not {launch["heads_first"], launch["longest_first"]} <= {0, 1}
+    ):  # fmt: skip
+        raise ValueError(
+            f"a decode launch is {LAUNCH_FORMAT}: a power-of-two block_n, warps and stages >= 1, the orders 0 or 1; "
+            f"got {text!r}"
+        )
+    return launch
 
 
-if os.environ.get("SLIPSTREAM_DECODE_LAUNCH"):
-    set_launch(os.environ["SLIPSTREAM_DECODE_LAUNCH"])
+def launch_text(launch: Mapping[str, int]) -> str:
+    """The text form of a launch, every key written: `parse_launch(launch_text(x)) == x`."""
+    return ",".join(str(launch[key]) for key in LAUNCH)
 
 
 def available() -> bool:
     return triton is not None
 
 
-PROGRAMS_PER_SM = int(os.environ.get("SLIPSTREAM_DECODE_PROGRAMS_PER_SM", "8"))
-"""Split programs per SM that `choose_splits` aims for (a batch with more (sequence, kv head) pairs than that
-runs one split). 8 rather than 2: nano-vllm's workload on the H200 ran 1.5% faster (its shrinking batches below
-~130 rows get more splits; docs/benchmarks.md). The environment variable SLIPSTREAM_DECODE_PROGRAMS_PER_SM
-overrides it (`bench/bench_decode_attention.py` sweeps the split count)."""
+PROGRAMS_PER_SM = 8
+"""Default split programs per SM that `choose_splits` aims for (a batch with more (sequence, kv head) pairs than
+that runs one split). 8 rather than 2: nano-vllm's workload on the H200 ran 1.5% faster (its shrinking batches
+below ~130 rows get more splits; docs/benchmarks.md). An engine's own value is `rollout.decode_programs_per_sm`
+(`bench_decode_attention.py` sweeps the split count)."""
 
 
 def sm_count(device: torch.device) -> int:
@@ -72,18 +90,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def launch_order(lengths: torch.Tensor) -> torch.Tensor | None:
-    """The sequences by decreasing length (B,) int32 when LAUNCH asks for longest first, else None (launch order).
-    One per decode step: every layer's launch reads it."""
-    if not LAUNCH["longest_first"]:
+def launch_order(lengths: torch.Tensor, launch: Mapping[str, int] = LAUNCH) -> torch.Tensor | None:
+    """The sequences by decreasing length (B,) int32 when `launch` asks for longest first, else None (launch
+    order). One per decode step: every layer's launch reads it."""
+    if not launch["longest_first"]:
         return None
     return torch.argsort(lengths, descending=True).to(torch.int32)
 
 
-def choose_splits(batch: int, kv_heads: int, device: torch.device) -> int:
-    """Enough programs to give every SM about `PROGRAMS_PER_SM`, at most 16 splits of a sequence."""
+def choose_splits(batch: int, kv_heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Enough programs to give every SM about `programs_per_sm`, at most 16 splits of a sequence."""
     sms = sm_count(device)
-    return max(1, min(16, math.ceil(PROGRAMS_PER_SM * sms / max(1, batch * kv_heads))))
+    return max(1, min(16, math.ceil(programs_per_sm * sms / max(1, batch * kv_heads))))
 
 
 if triton is not None:
@@ -176,9 +194,10 @@ def decode_attention(
     num_splits: int,
     scale: float | None = None,
     order: torch.Tensor | None = None,
+    launch: Mapping[str, int] = LAUNCH,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its cache rows: q (B, Hq, D) -> (B, Hq, D). `order` (B,) int32 is
-    `launch_order(lengths)`, computed here when LAUNCH asks for it and the caller has none."""
+    `launch_order(lengths, launch)`, computed here when `launch` asks for it and the caller has none."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     bsz, hq, d = q.shape
@@ -191,9 +210,9 @@ def decode_attention(
     # one split: the split kernel writes `out` itself and the workspaces are never touched
     acc = torch.empty((bsz, hq, num_splits, d) if num_splits > 1 else (1, 1, 1, 1), dtype=torch.float32, device=q.device)
     ml = torch.empty((bsz, hq, num_splits, 2) if num_splits > 1 else (1, 1, 1, 2), dtype=torch.float32, device=q.device)
-    heads_first = bool(LAUNCH["heads_first"])
+    heads_first = bool(launch["heads_first"])
     if order is None:
-        order = launch_order(lengths)
+        order = launch_order(lengths, launch)
     elif order.shape != (bsz,):
         raise ValueError(f"order must hold one index per sequence ({bsz}), got {tuple(order.shape)}")
     _split_kernel[(hkv, bsz, num_splits) if heads_first else (bsz, hkv, num_splits)](
@@ -201,10 +220,10 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
         scale,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=LAUNCH["block_n"], D=d,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=launch["block_n"], D=d,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=heads_first,
         ORDERED=order is not None,
-        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )  # fmt: skip
     if num_splits == 1:
         return out

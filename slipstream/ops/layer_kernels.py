@@ -12,20 +12,15 @@ tail: under torch.compile the work after the q/k/v projection ran as three kerne
 Arithmetic in fp32, rounded to the activations' dtype on the store; the norm rounds its normalised
 value before the weight as `RMSNorm` does. The compiled path fuses the same work without the
 intermediate roundings of the eager modules, so both agree with the modules up to bf16 rounding.
+The rollout's model runner uses them on CUDA with `rollout.layer_kernels` (the default: +1.7 points of
+the bandwidth bound on nano-vllm's workload, first call, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from slipstream.ops.decode_attention import available, triton
-
-ENABLED = os.environ.get("SLIPSTREAM_LAYER_KERNELS", "1") == "1"
-"""Whether the rollout's model runner uses these kernels on CUDA (instead of the compiled torch code for the same
-work; +1.7 points of the bound on nano-vllm's workload, first call, docs/benchmarks.md). The environment variable
-SLIPSTREAM_LAYER_KERNELS=0 (or `slipstream bench rollout --no-layer-kernels`) turns it off."""
 
 if triton is not None:
     import triton.language as tl

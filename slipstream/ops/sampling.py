@@ -20,8 +20,6 @@ token id, as torch's argmax.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from slipstream.ops.decode_attention import available, sm_count, triton
@@ -260,10 +258,6 @@ of the matmul, warps, pipeline stages, and the programs per SM the vocabulary sp
 a GPU (`python bench/bench_sampling.py` times it against the LM-head matmul + `sample_rows`)."""
 HEAD_MAX_SPLITS = 256
 """Most vocabulary slices per row in the fused kernel (the merge's compile-time width for it)."""
-FUSED_HEAD = os.environ.get("SLIPSTREAM_FUSED_LM_HEAD", "0") == "1"
-"""Whether the model runner samples through `sample_hidden` (the fused kernel) instead of the LM-head matmul and
-`sample_rows`. Off until measured on a GPU; the environment variable SLIPSTREAM_FUSED_LM_HEAD=1 (or `slipstream
-bench rollout --fused-lm-head`) turns it on."""
 
 
 def head_splits(rows: int, vocab: int, device: torch.device) -> int:
@@ -285,7 +279,8 @@ def sample_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows(mm_fp32(hidden, weight.t()), ...)` with the LM-head matmul inside the sampling kernel: hidden
     (B, H) and weight (V, H) of one dtype -> (tokens (B,) int64, behaviour log-probs (B,) fp32). The logits are
-    the same fp32-accumulated products up to the order of the additions."""
+    the same fp32-accumulated products up to the order of the additions. The model runner samples through it
+    with `rollout.fused_lm_head` (off: slower than the matmul + `sample_rows` on nano-vllm's workload)."""
     if not available():
         raise RuntimeError("sample_hidden needs triton")
     rows, size = hidden.shape

@@ -22,6 +22,7 @@ from slipstream.batching.records import Sample
 from slipstream.models.config import ModelConfig
 from slipstream.models.hf import load_hf_weights_into
 from slipstream.models.transformer import Transformer
+from slipstream.ops.decode_attention import PROGRAMS_PER_SM
 from slipstream.rollout.base import SamplingParams
 from slipstream.rollout.core import EngineCore, Request
 from slipstream.rollout.kv_cache import SLOT_ROUNDING, SlotCache, plan_slots
@@ -47,7 +48,12 @@ class BuiltinRollout:
         decode_attention: str = "triton",
         on_weight_update: str = "keep",
         overlap_decode: bool = True,
+        layer_kernels: bool = True,
+        fused_lm_head: bool = False,
+        decode_launch: str | None = None,
+        decode_programs_per_sm: int = PROGRAMS_PER_SM,
     ) -> None:
+        """The keyword settings are the rollout section's fields of the same names (config/schema.py)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.cfg = model_cfg
@@ -72,6 +78,10 @@ class BuiltinRollout:
             compile=on_gpu if compile is None else compile,
             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs,
             decode_attention=decode_attention,
+            layer_kernels=layer_kernels,
+            fused_lm_head=fused_lm_head,
+            decode_launch=decode_launch,
+            decode_programs_per_sm=decode_programs_per_sm,
         )
         self.cache: SlotCache | None = None
         self.core: EngineCore | None = None

@@ -6,7 +6,7 @@ decoder layer is split at the attention into two functions (pre: q/k/v, q/k norm
 cache write; post: output projection, residual, norm, MLP, residual, and the next layer's input
 norm, so that the residual add and that norm fuse); with `compile` they run under torch.compile
 (dynamic shapes: one compilation serves every layer, batch size and prompt length), which fuses
-their pointwise work. The attention runs between them. With `ops/layer_kernels.py:ENABLED` on CUDA,
+their pointwise work. The attention runs between them. With `layer_kernels` (rollout.layer_kernels) on CUDA,
 the pre half is the q/k/v matmul and one Triton kernel, and the MLP activation is a Triton kernel
 between the two compiled parts of the post half.
 
@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from slipstream.models.transformer import Transformer, rope_cos_sin, rope_inv_freq
 from slipstream.ops.attention import cache_attention, decode_capturable
-from slipstream.ops.decode_attention import launch_order
-from slipstream.ops import layer_kernels, sampling
+from slipstream.ops.decode_attention import LAUNCH, PROGRAMS_PER_SM, launch_order, parse_launch
+from slipstream.ops import layer_kernels as layer_kernel_ops
+from slipstream.ops import sampling
 from slipstream.ops.logprobs import mm_fp32
 from slipstream.rollout.decode_state import DecodeState
 from slipstream.rollout.kv_cache import SlotCache
@@ -78,7 +79,7 @@ def _pre_attention_kernels(layer, qkv_weight, qkv_bias, x: torch.Tensor, cos, si
     attn = layer.self_attn
     qkv = F.linear(x, qkv_weight, qkv_bias)
     norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else (None, None, 0.0)
-    return layer_kernels.qkv_heads(
+    return layer_kernel_ops.qkv_heads(
         qkv, attn.num_heads, attn.num_kv_heads, *norms, cos, sin, k_cache, v_cache, write_index
     )  # fmt: skip
 
@@ -98,7 +99,7 @@ def _mlp_out(layer, next_norm, h: torch.Tensor, activation: torch.Tensor):
 def _post_attention_kernels(attention_out, mlp_out, layer, gate_up_weight, next_norm, h, attn):
     """`_post_attention` with `silu(gate) * up` as one Triton kernel between `attention_out` and `mlp_out`."""
     h, gate_up = attention_out(layer, gate_up_weight, h, attn)
-    return mlp_out(layer, next_norm, h, layer_kernels.silu_mul(gate_up))
+    return mlp_out(layer, next_norm, h, layer_kernel_ops.silu_mul(gate_up))
 
 
 def fuse_projections(
@@ -160,10 +161,25 @@ class ModelRunner:
     """Forward passes of `model` over a `SlotCache`; owns the compiled layer halves and the decode graphs."""
 
     def __init__(
-        self, model: Transformer, compile: bool = False, cuda_graphs: bool = False, decode_attention: str = "triton"
+        self,
+        model: Transformer,
+        compile: bool = False,
+        cuda_graphs: bool = False,
+        decode_attention: str = "triton",
+        *,
+        layer_kernels: bool = True,
+        fused_lm_head: bool = False,
+        decode_launch: str | None = None,
+        decode_programs_per_sm: int = PROGRAMS_PER_SM,
     ) -> None:
+        """The keyword settings are the rollout section's fields of the same names (config/schema.py);
+        `decode_launch` None is the kernel's default launch (ops/decode_attention.py:LAUNCH)."""
         self.model = model
         self.decode_attention = decode_attention
+        self.decode_launch = dict(LAUNCH) if decode_launch is None else parse_launch(decode_launch)
+        """Launch of the Triton decode-attention kernel (ops/decode_attention.py:LAUNCH's keys)."""
+        self.decode_programs_per_sm = decode_programs_per_sm
+        """Split programs per SM the decode kernel's split count aims for (ops/decode_attention.py:choose_splits)."""
         self.cfg = model.cfg
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
@@ -178,8 +194,10 @@ class ModelRunner:
             self.cuda_graphs = False
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
         self._sample = maybe_compile(sample_tokens)
-        self.layer_kernels = layer_kernels.ENABLED and self.device.type == "cuda" and layer_kernels.available()
-        """The element-wise work between the layers' GEMMs in Triton kernels (ops/layer_kernels.py)."""
+        self.layer_kernels = layer_kernels and self.device.type == "cuda" and layer_kernel_ops.available()
+        """The element-wise work between the layers' GEMMs in Triton kernels (ops/layer_kernels.py; CUDA only)."""
+        self.fused_lm_head = fused_lm_head
+        """Sample through the fused LM-head kernel (ops/sampling.py:sample_hidden) where the kernels serve the mode."""
         if self.layer_kernels:
             self._pre = _pre_attention_kernels
             self._post = functools.partial(
@@ -222,7 +240,8 @@ class ModelRunner:
             q = self._pre(layer, qkv_w, qkv_b, x, cos, sin, cache.k[i], cache.v[i], write_index)
             attn = cache_attention(
                 q, cache.k[i], cache.v[i], cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, cache.slot_len, causal,
-                decode_kernel=self.decode_attention, order=order,
+                decode_kernel=self.decode_attention, order=order, launch=self.decode_launch,
+                programs_per_sm=self.decode_programs_per_sm,
             )  # fmt: skip
             h, x = self._post(layer, gate_up_w, next_norm, h, attn)
         return x
@@ -247,8 +266,8 @@ class ModelRunner:
 
     def sample_hidden(self, hidden, state: DecodeState, seeds, token_index, mode: tuple[bool, int, bool]):
         """Tokens and behaviour log-probs from final-normed hidden states (B, H): the fp32 LM head then `sample`, or,
-        with `ops.sampling.FUSED_HEAD` where the kernels serve `mode`, one kernel that never writes the logits."""
-        if sampling.FUSED_HEAD and self._kernel_sampling(mode):
+        with `fused_lm_head` where the kernels serve `mode`, one kernel that never writes the logits."""
+        if self.fused_lm_head and self._kernel_sampling(mode):
             weight = self.model.lm_head_weight
             return sampling.sample_hidden(hidden, weight, state.temperature, seeds, token_index, self.vocab_hash, mode[0])
         return self.sample(self.logits(hidden), state, seeds, token_index, mode)
@@ -263,7 +282,8 @@ class ModelRunner:
         in_slot = pos.clamp(max=cache.slot_len - 1)
         s.seqused[:batch].copy_(in_slot + 1)
         triton_decode = self.device.type == "cuda" and self.decode_attention == "triton"
-        order = launch_order(s.seqused[:batch]) if triton_decode else None  # one per step, for every layer
+        # one launch order per step, for every layer
+        order = launch_order(s.seqused[:batch], self.decode_launch) if triton_decode else None
         hidden = self.forward(
             cache, s.input_ids[:batch], in_slot, s.bases[:batch] + in_slot, s.cu_q[: batch + 1],
             s.cu_k[: batch + 1], s.seqused[:batch], 1, causal=False, order=order,

@@ -125,24 +125,20 @@ def _check_greedy_agreement(fast_out, ref_out, ref_model, gap_limit: float = GAP
 
 
 @pytest.mark.parametrize("candidates", [False, True])
-def test_fast_path_greedy_matches_eager_reference(candidates, monkeypatch):
+def test_fast_path_greedy_matches_eager_reference(candidates):
     # candidates: the opt-in fast-path variants not yet measured (layer kernels, fused LM head, longest-first
     # decode-attention launch order, overlapped decode rings), all on
-    from slipstream.ops import decode_attention, layer_kernels, sampling
-
-    monkeypatch.setattr(layer_kernels, "ENABLED", candidates)
-    monkeypatch.setattr(sampling, "FUSED_HEAD", candidates)
-    monkeypatch.setitem(decode_attention.LAUNCH, "longest_first", int(candidates))
     prompts = _prompts(64)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=48)
-    fast = _engine(True, max_batch_size=32, overlap_decode=candidates)  # 64 samples, 32 slots: continuous batching
-    assert fast.runner.layer_kernels == candidates
-    monkeypatch.setattr(layer_kernels, "ENABLED", False)
-    ref = _engine(False, max_batch_size=64)
+    launch = f"64,4,4,1,{int(candidates)}"  # rollout.decode_launch with longest_first on or off
+    fast = _engine(True, max_batch_size=32, overlap_decode=candidates, layer_kernels=candidates,
+                   fused_lm_head=candidates, decode_launch=launch)  # 64 samples, 32 slots: continuous batching
+    assert fast.runner.layer_kernels == candidates and fast.runner.fused_lm_head == candidates
+    assert fast.runner.decode_launch["longest_first"] == int(candidates)
+    # the reference samples from the logits, with the modules between the GEMMs
+    ref = _engine(False, max_batch_size=64, layer_kernels=False, fused_lm_head=False, decode_launch=launch)
     fast_out = fast.generate(prompts, greedy)
-    monkeypatch.setattr(sampling, "FUSED_HEAD", False)  # read at each call: the reference samples from logits
     ref_out = ref.generate(prompts, greedy)
-    monkeypatch.setattr(sampling, "FUSED_HEAD", candidates)
     stats = fast.core.stats  # the replays' device time (CUDA events) lies inside the decode's wall time
     # (overlapped, a queued ring also runs while the host is between two engine steps: a little more)
     slack = 1.02 if candidates else 1.0
@@ -179,18 +175,15 @@ def test_overlapped_decode_samples_as_one_ring_at_a_time():
     assert outs[True, "steps"] == outs[False, "steps"]
 
 
-def test_fused_lm_head_samples_as_the_separate_head(monkeypatch):
+def test_fused_lm_head_samples_as_the_separate_head():
     # the same keys through the LM head + sample_rows and through the fused kernel: the logits differ only in the
     # order of the matmul's fp32 additions, so sampled tokens agree unless two noisy values nearly tie, and the
     # behaviour log-probs stay as close to an fp32 forward as the bf16 trainer's
-    from slipstream.ops import sampling
-
     prompts = _prompts(16, seed=2)
     params = SamplingParams(temperature=1.0, max_new_tokens=32, n=2)
     outs = {}
     for fused in (False, True):
-        monkeypatch.setattr(sampling, "FUSED_HEAD", fused)
-        engine = _engine(True, max_batch_size=32)
+        engine = _engine(True, max_batch_size=32, fused_lm_head=fused)
         outs[fused] = engine.generate(prompts, params, keys=list(range(len(prompts))))
     pairs = [(a.response_ids, b.response_ids) for ga, gb in zip(outs[False], outs[True]) for a, b in zip(ga, gb)]
     same = sum(a == b for a, b in pairs)

@@ -12,6 +12,7 @@ from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer
 from slipstream.ops import decode_attention
 from slipstream.rollout.kv_cache import kv_bytes_per_token
+from slipstream.rollout.model_runner import ModelRunner
 
 
 def test_nanovllm_case_draws_nano_vllms_requests():
@@ -50,24 +51,22 @@ def test_h200_bounds_of_the_nanovllm_workload_are_the_issues():
     assert bound_tok_per_s(get_preset("qwen3-1.7b"), case, 4.8e12) == pytest.approx(37_000, rel=2e-3)
 
 
-def test_decode_launch_override(monkeypatch):
-    monkeypatch.setattr(decode_attention, "LAUNCH", dict(decode_attention.LAUNCH))
-    decode_attention.set_launch("128,8,3")
-    assert decode_attention.LAUNCH == {"block_n": 128, "num_warps": 8, "num_stages": 3, "heads_first": 1,
-                                       "longest_first": 1}  # fmt: skip
-    decode_attention.set_launch("64,4,4,0")
-    assert decode_attention.LAUNCH["num_stages"] == 4 and decode_attention.LAUNCH["heads_first"] == 0
-    decode_attention.set_launch("64,4,4,1,0")
-    assert decode_attention.LAUNCH["longest_first"] == 0
-    assert decode_attention.launch_order(torch.tensor([3, 9], dtype=torch.int32)) is None  # launch order as is
-    decode_attention.set_launch("64,4,4,1,1")
+def test_decode_launch_text():
+    assert decode_attention.parse_launch("128,8,3") == {"block_n": 128, "num_warps": 8, "num_stages": 3,
+                                                         "heads_first": 1, "longest_first": 1}  # fmt: skip
+    launch = decode_attention.parse_launch("64,4,4,0")
+    assert launch["num_stages"] == 4 and launch["heads_first"] == 0
+    launch = decode_attention.parse_launch("64,4,4,1,0")
+    assert launch["longest_first"] == 0
+    assert decode_attention.launch_text(launch) == "64,4,4,1,0"
+    assert decode_attention.launch_order(torch.tensor([3, 9], dtype=torch.int32), launch) is None  # order as is
     lengths = torch.tensor([5, 900, 17, 900, 64], dtype=torch.int32)
-    order = decode_attention.launch_order(lengths)
+    order = decode_attention.launch_order(lengths, decode_attention.parse_launch("64,4,4,1,1"))
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(5))
     assert lengths[order].tolist() == [900, 900, 64, 17, 5]
-    for bad in ("64,4", "64,4,2,1,0,7", "64,four,2"):
-        with pytest.raises(ValueError):
-            decode_attention.set_launch(bad)
+    for bad in ("64,4", "64,4,2,1,0,7", "64,four,2", "48,4,2", "64,0,2", "64,4,2,2", ""):
+        with pytest.raises(ValueError, match="block_n,num_warps,num_stages"):
+            decode_attention.parse_launch(bad)
 
 
 def test_decode_idle_is_the_decode_wall_time_without_device_work():
@@ -93,3 +92,26 @@ def test_overlap_decode_setting_reaches_the_engine(tmp_path, flags, overlap):
     assert [r["call"] for r in rows] == ["first", "repeat"]
     assert all(r["settings"]["overlap_decode"] == overlap and r["response_tokens"] == 4 * 8 for r in rows)
     assert all(r["decode_steps"] == 8 - 1 for r in rows)  # the prefill samples the first token; 3 + 3 + 1 after
+
+
+def test_kernel_flags_set_the_rollout_fields(tmp_path, monkeypatch):
+    """--no-layer-kernels, --fused-lm-head, --decode-launch and --decode-programs-per-sm reach the engine's model
+    runner as the rollout section's fields; a bad launch is the field's error, not a traceback."""
+    from slipstream.cli import main
+    from slipstream.rollout import builtin
+
+    runners = []
+    monkeypatch.setattr(builtin, "ModelRunner", lambda *a, **kw: runners.append(kw) or ModelRunner(*a, **kw))
+    argv = ["bench", "rollout", "--preset", "tiny", "--device", "cpu", "--no-compile", "--no-cuda-graphs",
+            "--batch", "2", "--group", "2", "--prompt-len", "4", "--new-tokens", "2", "--out", str(tmp_path / "r.json")]  # fmt: skip
+    assert main(argv) == 0
+    assert runners[-1] == {"compile": False, "cuda_graphs": False, "decode_attention": "triton",
+                           "layer_kernels": True, "fused_lm_head": False, "decode_launch": "64,4,4,1,1",
+                           "decode_programs_per_sm": 8}  # fmt: skip
+    flags = ["--no-layer-kernels", "--fused-lm-head", "--decode-launch", "128,8,3", "--decode-programs-per-sm", "2"]
+    assert main(argv + flags) == 0
+    got = {k: runners[-1][k] for k in ("layer_kernels", "fused_lm_head", "decode_launch", "decode_programs_per_sm")}
+    assert got == {"layer_kernels": False, "fused_lm_head": True, "decode_launch": "128,8,3",
+                   "decode_programs_per_sm": 2}
+    assert main(argv + ["--decode-launch", "128,8"]) == 2
+    assert main(argv + ["--decode-programs-per-sm", "0"]) == 2

@@ -21,12 +21,11 @@ pytestmark = pytest.mark.skipif(not _RUNS, reason="needs triton, and CUDA or TRI
 
 @pytest.mark.parametrize("heads_first,longest_first", [(0, 0), (1, 0), (1, 1), (0, 1)])
 @pytest.mark.parametrize("group,head_dim,splits", [(2, 128, 1), (2, 128, 3), (3, 64, 4), (1, 64, 2)])
-def test_decode_attention_matches_sdpa(group, head_dim, splits, heads_first, longest_first, monkeypatch):
-    from slipstream.ops import decode_attention as module
-    from slipstream.ops.decode_attention import decode_attention
+def test_decode_attention_matches_sdpa(group, head_dim, splits, heads_first, longest_first):
+    from slipstream.ops.decode_attention import LAUNCH, decode_attention
 
-    monkeypatch.setitem(module.LAUNCH, "heads_first", heads_first)  # both grid orders
-    monkeypatch.setitem(module.LAUNCH, "longest_first", longest_first)  # and both sequence orders
+    # both grid orders and both sequence orders
+    launch = {**LAUNCH, "heads_first": heads_first, "longest_first": longest_first}
 
     device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     g = torch.Generator().manual_seed(group * 100 + splits)
@@ -44,9 +43,9 @@ def test_decode_attention_matches_sdpa(group, head_dim, splits, heads_first, lon
     # the interpreter computes in fp32; on CUDA the kernel runs as in the rollout, in bf16
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     to = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
-    out = decode_attention(to(q), to(k), to(v), to(starts), to(used), num_splits=splits)
+    out = decode_attention(to(q), to(k), to(v), to(starts), to(used), num_splits=splits, launch=launch)
     # interpreter (fp32): measured max |err| 3e-7; CUDA bf16 inputs and output: ~1e-2 expected (as FlashAttention)
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-2 if device == "cuda" else 1e-5, rtol=0)
     if device == "cuda":  # fp32 on CUDA (a float32 rollout): exact products (no TF32), as tight as the interpreter
-        exact = decode_attention(*(t.to(device) for t in (q, k, v, starts, used)), num_splits=splits)
+        exact = decode_attention(*(t.to(device) for t in (q, k, v, starts, used)), num_splits=splits, launch=launch)
         torch.testing.assert_close(exact.cpu(), ref, atol=1e-5, rtol=0)
