@@ -138,9 +138,8 @@ class Evaluator:
             results = self._gather(self._evaluate_share(s))
             metrics.update(set_metrics(s.name, results, self.cfg.eval.pass_k))
             metrics[f"eval/{s.name}/held_out"] = float(s.held_out)
-        device = getattr(self.rollout, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.rollout.device.type == "cuda":
+            torch.cuda.synchronize(self.rollout.device)
         metrics["perf/eval_time"] = time.perf_counter() - start
         self._generated = {}
         return metrics

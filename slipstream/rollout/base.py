@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Hashable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -52,13 +52,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """Anything that turns prompts into scored-ready `Sample`s and accepts new weights."""
+class RolloutReplica(Protocol):
+    """What the trainer does with any holder of the rollout's copy of the policy: sync weights into it, free
+    its memory around training, checkpoint its counters. `BuiltinRollout` (in process) and
+    `controller/placement.py:RemoteRollout` (the trainer's view of the rollout ranks) are both one."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Sample]]:
-        """n samples per prompt; result[i] holds prompt i's samples, all with group_id i."""
-        ...
+    device: torch.device
+    """Where the rollout computes (the trainer waits on it before timing an eval)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named weights (as TrainEngine.export_weights yields) and tag later samples with version."""
@@ -71,4 +71,58 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Make room for the weights again (`update_weights` calls it after a sleep)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample as this one would have (policy version, key counter)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class RolloutEngine(RolloutReplica, Protocol):
+    """A replica that generates: prompts in, `Sample`s out, in one blocking call (the sync loop, evals)."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        keys: list[int] | None = None,
+        budgets: list[list[int]] | None = None,
+    ) -> list[list[Sample]]:
+        """`sampling.n` samples per prompt; result[i] holds prompt i's samples, all with group_id i.
+
+        keys[i] decides the randomness of prompt i's samples (with the engine's seed and the sample
+        index), whatever else is generated alongside; None numbers the prompts on from the previous
+        call. budgets[i][j], when given, replaces max_new_tokens for sample j of prompt i (and the
+        number of samples of prompt i is len(budgets[i]))."""
+        ...
+
+
+@runtime_checkable
+class StreamingRolloutEngine(Protocol):
+    """An engine that takes requests while others are in flight and hands back samples as they finish
+    (the async producer, `controller/producer.py`, drives it from its own thread, beside `update_weights`)."""
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any submitted sample has not been returned by `step` yet."""
+        ...
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        keys: list[int],
+        tags: list[Hashable],
+        budgets: list[list[int]] | None = None,
+    ) -> None:
+        """Queue `sampling.n` samples of each prompt (len(budgets[i]) with budgets), keyed as in
+        `RolloutEngine.generate`; `step` returns each with its prompt's tag. Requests in flight must share
+        `sampling`."""
+        ...
+
+    def step(self) -> list[tuple[Hashable, int, Sample]]:
+        """One scheduling step; (tag, sample index, Sample) of every sample that finished in it."""
         ...

@@ -1,9 +1,13 @@
 """Builtin rollout engine: the native `Transformer` over a slot KV cache, in the trainer's process.
 
     generate(prompts, sampling, keys, budgets)   continuous batching over the engine core (core.py)
+    submit(...) / step() / has_work              the same, streamed: requests join while others run
     update_weights(named_tensors, version)       in-place copies: the CUDA graphs stay valid
     sleep()                                      free the KV cache and the weights (the next
                                                  update_weights brings weights back)
+    state_dict() / load_state_dict(state)        policy version and key counter, for a resume
+
+It is both a `RolloutEngine` and a `StreamingRolloutEngine` (rollout/base.py).
 
 On the CPU it runs eagerly in fp32 (tests, the demo); on CUDA it decodes from CUDA graphs with
 compiled layer halves (rollout.compile, rollout.cuda_graphs). Compilation and graph capture
@@ -30,7 +34,7 @@ from slipstream.rollout.model_runner import ModelRunner, allocate_parameters, dr
 
 
 class BuiltinRollout:
-    """In-process RolloutEngine owning its own `Transformer`."""
+    """In-process RolloutEngine and StreamingRolloutEngine owning its own `Transformer`."""
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ class GatedRollout:
         time.sleep(0.01)  # lets a thread waiting for the engine lock take it between submit and step
         return bool(self.queue)
 
-    def submit(self, prompts, sampling, keys, tags, budgets) -> None:
+    def submit(self, prompts, sampling, keys, tags, budgets=None) -> None:
         self.entered.set()
         assert self.gate.wait(timeout=10)
         self.queue.extend(tags)
