@@ -78,11 +78,18 @@ def row_to_record(row: Any, prompt_key: str, answer_key: str | None) -> PromptRe
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes in, decoded per line: one non-UTF-8 byte is then one malformed row with its line
+    # number, where a text-mode file would abort the whole read naming neither.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path.name}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, ValueError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path.name}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:

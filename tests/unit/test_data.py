@@ -83,6 +83,20 @@ def test_malformed_rows_reported_with_line_and_skipped(tmp_path, caplog):
         load_prompts(path, answer_key="reward_model.ground_truth", on_error="raise")
 
 
+def test_non_utf8_row_is_a_malformed_row(tmp_path, caplog):
+    # One stray byte (a latin-1 file, a truncated copy) must cost one row, not the run.
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "good one"}\n{"prompt": "caf\xe9 \xff"}\n{"prompt": "good two"}\n')
+    with caplog.at_level(logging.WARNING, logger="slipstream.data.sources"):
+        records = load_prompts(path, answer_key=None)
+    assert [r.prompt for r in records] == ["good one", "good two"]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "data.jsonl:2: not valid UTF-8" in text
+    assert "skipped 1 malformed of 3 rows" in text
+    with pytest.raises(ValueError, match=r"^data\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)$"):
+        load_prompts(path, answer_key=None, on_error="raise")
+
+
 def test_empty_result_and_bad_arguments(tmp_path):
     path = tmp_path / "bad.jsonl"
     _write_jsonl(path, [{"q": "x"}])
