@@ -69,7 +69,7 @@ def evaluate_target(
     rollout = setup.build_rollout(cfg, model_cfg, device, compute_dtype)
     rollout.update_weights(weights, version=step)
     del model, weights
-    sets = build_eval_sets(cfg, tokenizer)
+    sets = build_eval_sets(cfg, tokenizer, max_context=model_cfg.max_position_embeddings)
     stop_ids = setup.stop_token_ids(tokenizer, cfg.rollout.stop, model_cfg.eos_token_id)
     evaluator = Evaluator.build(cfg, tokenizer, rollout, sets, stop_ids)
     try:

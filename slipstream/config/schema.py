@@ -53,7 +53,7 @@ class DataSection:
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle of the prompts."""
     max_prompt_length: int | None = None
-    """Drop (and count as data/filtered_prompts) prompts longer than this many tokens; None keeps all."""
+    """Drop prompts longer than this many tokens (counted as data/filtered_prompts, eval sets: eval/<set>/filtered_prompts); prompts leaving no room for max_new_tokens in the model's context are dropped even when None."""
 
 
 @dataclass

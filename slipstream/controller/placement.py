@@ -214,7 +214,7 @@ class RolloutWorker:
         _, self.model_cfg = setup.build_policy(cfg, len(self.tokenizer))
         self.rollout = setup.build_rollout(cfg, self.model_cfg, device, setup.DTYPES[cfg.model.dtype])
         self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
-        self.prompts = PromptSource(cfg, self.tokenizer)
+        self.prompts = PromptSource(cfg, self.tokenizer, max_context=self.model_cfg.max_position_embeddings)
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
         self.eta = staleness_bound(cfg)
         self.version = -1

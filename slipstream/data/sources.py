@@ -20,6 +20,8 @@ class PromptRecord:
     """Ground truth passed to the reward function (None when the rewards do not need one)."""
     meta: dict = field(default_factory=dict)
     """Every other top-level field of the source row (ids, data source, difficulty, ...)."""
+    where: str = field(default="", compare=False)
+    """The row's place in its file ("data.jsonl:12"), for messages; empty for procedural prompts."""
 
 
 def _lookup(row: dict, dotted: str) -> Any:
@@ -62,7 +64,7 @@ def _check_answer(value: Any, key: str) -> str | None:
     raise ValueError(f"{key!r} must be a string, a number or null, got {type(value).__name__}")
 
 
-def row_to_record(row: Any, prompt_key: str, answer_key: str | None) -> PromptRecord:
+def row_to_record(row: Any, prompt_key: str, answer_key: str | None, where: str = "") -> PromptRecord:
     """Map one source row onto a PromptRecord; ValueError with a readable reason if malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"row is a {type(row).__name__}, expected an object")
@@ -74,7 +76,7 @@ def row_to_record(row: Any, prompt_key: str, answer_key: str | None) -> PromptRe
     # A nested key ("reward_model.ground_truth") keeps its parent in meta: siblings like
     # "reward_model.style" may still matter to a reward.
     meta = {k: v for k, v in row.items() if k != prompt_key and k != answer_key}
-    return PromptRecord(prompt=prompt, answer=answer, meta=meta)
+    return PromptRecord(prompt=prompt, answer=answer, meta=meta, where=where)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -168,7 +170,7 @@ def load_prompts(
         try:
             if isinstance(row, ValueError):
                 raise row
-            records.append(row_to_record(row, prompt_key, answer_key))
+            records.append(row_to_record(row, prompt_key, answer_key, where))
         except ValueError as e:
             message = f"{where}: {e}"
             if on_error == "raise":

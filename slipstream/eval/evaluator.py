@@ -138,6 +138,7 @@ class Evaluator:
             results = self._gather(self._evaluate_share(s))
             metrics.update(set_metrics(s.name, results, self.cfg.eval.pass_k))
             metrics[f"eval/{s.name}/held_out"] = float(s.held_out)
+            metrics[f"eval/{s.name}/filtered_prompts"] = float(s.num_filtered)
         if self.rollout.device.type == "cuda":
             torch.cuda.synchronize(self.rollout.device)
         metrics["perf/eval_time"] = time.perf_counter() - start

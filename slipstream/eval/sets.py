@@ -6,7 +6,9 @@ takes `size` rows in a seeded order. Problems are distinct by prompt text. Every
 is kept out of the training stream (controller/prompts.py), since small problem spaces collide
 across seeds anyway. When the set's source is the training source and it has fewer distinct
 problems than `size` (the demo's ten one-term sums), the set covers the whole space: it cannot
-be held out, nothing is excluded, and the set says so (`held_out=False`).
+be held out, nothing is excluded, and the set says so (`held_out=False`). Problems too long to
+generate from (data.max_prompt_length, or the model's context less the eval's max_new_tokens)
+are dropped, named in a warning and counted (`eval/<set>/filtered_prompts`), as in training.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 from dataclasses import dataclass
 
 from slipstream.config.schema import Config, EvalSetSection
-from slipstream.data.formatting import render_prompt
+from slipstream.data.formatting import prompt_token_limit, render_prompt
 from slipstream.data.heldout import prompt_hash
 from slipstream.data.sources import PromptRecord, load_prompts
 from slipstream.data.tasks import is_procedural, make_task
@@ -51,6 +53,8 @@ class EvalSet:
     """False when the set covers its whole (training) problem space: then nothing is excluded."""
     covers_space: bool
     """Fewer distinct problems exist than eval.sets.<name>.size asked for."""
+    num_filtered: int = 0
+    """Problems drawn but dropped for a prompt too long to generate from."""
 
 
 def draw_records(source: str, params: dict, size: int, seed: int, data_cfg) -> tuple[list[PromptRecord], bool]:
@@ -76,18 +80,29 @@ def default_reward(source: str, params: dict) -> str:
     return make_task(source, params).reward if is_procedural(source) else "math"
 
 
-def build_eval_set(name: str, spec: EvalSetSection, cfg: Config, tokenizer) -> EvalSet:
+def build_eval_set(name: str, spec: EvalSetSection, cfg: Config, tokenizer, max_context: int | None = None) -> EvalSet:
+    """The set's problems, tokenized; `max_context` (the model's max_position_embeddings) bounds their length."""
     source = cfg.data.source if spec.source is None else spec.source
     params = spec.task_params if spec.task_params is not None else (cfg.data.task_params if source == cfg.data.source else {})
     same_as_training = source == cfg.data.source and params == cfg.data.task_params
     records, covers_space = draw_records(source, params, spec.size, spec.seed, cfg.data)
     template = spec.prompt_template if spec.prompt_template is not None else cfg.data.prompt_template
-    problems = []
+    limit, reason = prompt_token_limit(
+        cfg.data.max_prompt_length, max_context, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    )
+    problems, kept = [], []
     for i, record in enumerate(records):
         rendered = render_prompt(record, template)
         ids = encode_prompt(tokenizer, rendered, use_chat_template=cfg.model.use_chat_template)
+        if limit is not None and len(ids) > limit:
+            log.warning("eval set %r: skipping prompt %s: %d tokens, longer than %d (%s)",
+                        name, record.where or f"{source} problem {i}", len(ids), limit, reason)  # fmt: skip
+            continue
         text = rendered if isinstance(rendered, str) else tokenizer.decode(ids)
-        problems.append(EvalProblem(index=i, prompt_ids=list(ids), prompt_text=text, answer=record.answer))
+        problems.append(EvalProblem(index=len(problems), prompt_ids=list(ids), prompt_text=text, answer=record.answer))
+        kept.append(record)
+    if not problems:
+        raise ValueError(f"eval set {name!r}: all {len(records)} prompts are longer than {limit} tokens ({reason})")
     held_out = not (covers_space and same_as_training)
     if not held_out:
         log.warning("eval set %r covers the whole problem space of %s (%d distinct problems, eval.sets.%s.size=%d): "
@@ -97,13 +112,14 @@ def build_eval_set(name: str, spec: EvalSetSection, cfg: Config, tokenizer) -> E
     return EvalSet(
         name=name, problems=problems, rewards=list(spec.reward) or [default_reward(source, params)],
         extract=spec.extract or cfg.reward.extract,
-        hashes=frozenset(prompt_hash(r.prompt) for r in records), held_out=held_out, covers_space=covers_space,
+        hashes=frozenset(prompt_hash(r.prompt) for r in kept), held_out=held_out, covers_space=covers_space,
+        num_filtered=len(records) - len(kept),
     )  # fmt: skip
 
 
-def build_eval_sets(cfg: Config, tokenizer) -> list[EvalSet]:
-    """The configured eval sets, in name order."""
-    return [build_eval_set(name, cfg.eval.sets[name], cfg, tokenizer) for name in sorted(cfg.eval.sets)]
+def build_eval_sets(cfg: Config, tokenizer, max_context: int | None = None) -> list[EvalSet]:
+    """The configured eval sets, in name order (`max_context`: the model's max_position_embeddings)."""
+    return [build_eval_set(name, cfg.eval.sets[name], cfg, tokenizer, max_context) for name in sorted(cfg.eval.sets)]
 
 
 def excluded_hashes(sets: list[EvalSet]) -> frozenset[str]:

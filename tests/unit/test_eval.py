@@ -159,3 +159,50 @@ def test_sets_sharing_problems_share_their_completions():
     evaluator.close()
     assert calls == [2, 1, 2, 1]  # sets a and b (the same problems): once; set c: its own problems
     assert {"eval/a/accuracy", "eval/b/pass@2", "eval/c/maj@2", "perf/eval_time"} <= set(metrics)
+
+
+def _long_prompt_rows(tmp_path):
+    # line 2 is longer than the tiny model's whole context (2048): it cannot be generated from
+    path = tmp_path / "long.jsonl"
+    rows = ["1+1=", "1+" * 1100 + "1=", "2+2=", "3+3="]
+    path.write_text("".join(f'{{"prompt": "{r}", "answer": "0"}}\n' for r in rows))
+    return path
+
+
+def test_eval_sets_drop_prompts_longer_than_the_context_and_count_them(tmp_path, caplog):
+    from slipstream.eval import Evaluator
+
+    path = _long_prompt_rows(tmp_path)
+    # the default eval set is the training source; data.max_prompt_length is unset
+    cfg = _cfg(f"data.source={path}", "eval.sets={t: {size: 4}}", "reward.num_workers=0", "rollout.max_new_tokens=2")
+    tok = build_char_tokenizer()
+    context = get_preset("tiny").max_position_embeddings
+    with caplog.at_level("WARNING", logger="slipstream.eval.sets"):
+        (t,) = build_eval_sets(cfg, tok, max_context=context)
+    assert "eval set 't': skipping prompt long.jsonl:2: 2203 tokens, longer than 2046" in caplog.text
+    assert len(t.problems) == 3 and t.num_filtered == 1
+    assert sorted(p.index for p in t.problems) == [0, 1, 2]
+    rollout = BuiltinRollout(get_preset("tiny"), max_batch_size=8, seed=0)
+    evaluator = Evaluator.build(cfg, tok, rollout, [t], [tok.eos_token_id])
+    metrics = evaluator.run()  # the long prompt would fail generate: prompt + max_new_tokens > context
+    evaluator.close()
+    assert metrics["eval/t/filtered_prompts"] == 1.0 and metrics["eval/t/num_problems"] == 3
+
+
+def test_max_prompt_length_applies_to_eval_sets(tmp_path):
+    cfg = _cfg(f"data.source={_long_prompt_rows(tmp_path)}", "eval.sets={t: {size: 4}}", "data.max_prompt_length=6")
+    (t,) = build_eval_sets(cfg, build_char_tokenizer())
+    assert t.num_filtered == 1 and all(len(p.prompt_ids) <= 6 for p in t.problems)
+    with pytest.raises(ValueError, match=r"eval set 't': all 4 prompts are longer than 1 tokens \(data.max_prompt_length=1\)"):
+        build_eval_sets(_cfg(f"data.source={_long_prompt_rows(tmp_path)}", "eval.sets={t: {size: 4}}",
+                             "data.max_prompt_length=1"), build_char_tokenizer())  # fmt: skip
+
+
+def test_training_stream_drops_prompts_longer_than_the_context(tmp_path, caplog):
+    cfg = _cfg(f"data.source={_long_prompt_rows(tmp_path)}", "rollout.prompts_per_step=6", "rollout.max_new_tokens=2")
+    with caplog.at_level("WARNING", logger="slipstream.controller.prompts"):
+        source = PromptSource(cfg, build_char_tokenizer(), max_context=get_preset("tiny").max_position_embeddings)
+        batch = source.next_batch()
+    assert all(len(p.prompt_ids) <= 2046 for p in batch)
+    assert source.metrics()["data/filtered_prompts"] == source.dataset.position - 6 >= 1
+    assert "skipping prompt long.jsonl:2: 2203 tokens, longer than 2046 (the model's context 2048 less max_new_tokens 2)" in caplog.text
