@@ -24,14 +24,16 @@ MOVED_KEYS = {"trainer.tensorboard": "logging.tensorboard", "trainer.log_every":
 
 
 class RecipeError(ValueError):
-    """An error located in a recipe file: the message starts with `file:line:column:`."""
+    """An error located in a recipe file or an override: the message starts with `file:line:column:`
+    or `command line:`."""
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML recipe <- command-line overrides, validated into a `Config`.
 
-    A YAML syntax error, and a bad key or value that comes from the recipe (not from an
-    override), raise RecipeError naming the file, line and column.
+    A YAML syntax error, and a bad key or value that comes from the recipe, raise RecipeError
+    naming the file, line and column; a bad key or value from an override, RecipeError naming
+    the command line.
     """
     tree: dict = {}
     marks: dict[str, str] = {}
@@ -55,10 +57,13 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         key, value = parse_override(item)
         set_dotted(tree, key, value)
         overridden.add(key)
+    # An override replaces the recipe's value and everything under it.
+    marks = {k: v for k, v in marks.items() if not any(k == o or k.startswith(f"{o}.") for o in overridden)}
+    marks.update(dict.fromkeys(overridden, "command line"))
     try:
         return build(Config, tree, prefix="")
     except ValueError as err:
-        where = _first_key_in(str(err), {k: v for k, v in marks.items() if k not in overridden})
+        where = _first_key_in(str(err), marks)
         if where is None:
             raise
         raise RecipeError(f"{where}: {err}") from None
@@ -90,13 +95,19 @@ def _key_positions(path: Path, text: str) -> dict[str, str]:
 
 
 def _first_key_in(message: str, positions: dict[str, str]) -> str | None:
-    """Position of the recipe key that `message` names (quoted, or dotted as in "rollout.group_size=1")."""
-    for key in sorted(positions, key=len, reverse=True):  # "actor.lrr" before "actor.lr"
+    """Position of the key that `message` names first (quoted, or dotted as in "rollout.group_size=1").
+
+    The first one is the key at fault: a later one is a hint ("unknown config key 'actor.lrr'; did
+    you mean 'actor.lr'?") and must not send the user to the correct line.
+    """
+    found: list[tuple[int, str]] = []
+    for key in positions:
         quoted = rf"'{re.escape(key)}'"
         dotted = rf"(?<![\w.]){re.escape(key)}(?![\w.])"  # a bare word like "model" is too common to match
-        if re.search(f"{quoted}|{dotted}" if "." in key else quoted, message):
-            return positions[key]
-    return None
+        match = re.search(f"{quoted}|{dotted}" if "." in key else quoted, message)
+        if match:
+            found.append((match.start(), key))
+    return positions[min(found)[1]] if found else None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
