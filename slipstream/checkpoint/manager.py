@@ -4,7 +4,7 @@ A checkpoint directory `step_000012/` holds the engine's own files (model, optim
 plus `trainer.pt` with the step, the data position and every RNG state, so `resume`
 continues exactly where the run stopped. `trainer.pt` holds only tensors and plain Python
 values and is read with `torch.load(weights_only=True)`: a file that would run code when
-unpickled is refused. (The fsdp backend's DCP directory is another matter: torch reads its
+unpickled is refused (`load_plain`, which the engines' own `.pt` files go through too). (The fsdp backend's DCP directory is another matter: torch reads its
 `.metadata` with plain pickle, see docs/architecture.md.) A save that raises or is interrupted removes its
 `.tmp` directory; a killed one leaves only the `.tmp` directory,
 which the next save of that step removes; `latest()` never returns a partial checkpoint.
@@ -125,20 +125,26 @@ class CheckpointManager:
         path = Path(directory) / trainer_file(rank)
         if not path.exists():
             raise ValueError(f"{directory} has no {path.name}: it was saved by fewer processes than this run has")
-        try:
-            # weights_only: tensors and plain data only; a pickled object that would run code is refused
-            with torch.serialization.safe_globals(_numpy_array_globals()):
-                state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the callable it refused
-            what = f"it would call {named.group(1)}" if named else str(err).strip().splitlines()[0]
-            raise ValueError(
-                f"{path} is refused: it holds Python objects that loading would have to run as code ({what}); "
-                "slipstream checkpoints hold only tensors and plain data. Resume only from checkpoints you trust, "
-                "or start a new trainer.run_dir"
-            ) from None
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            state = load_plain(path)
         set_rng_state(state["rng"])
         return state
+
+
+def load_plain(path: Path, map_location: torch.device | str = "cpu") -> Any:
+    """torch.load of a checkpoint file that may hold only tensors and plain data (every `.pt` slipstream
+    writes: trainer state and the engines' files); ValueError if loading it would run code."""
+    try:
+        # weights_only: a pickled object that would run code is refused by torch's unpickler
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the callable it refused
+        what = f"it would call {named.group(1)}" if named else str(err).strip().splitlines()[0]
+        raise ValueError(
+            f"{path} is refused: it holds Python objects that loading would have to run as code ({what}); "
+            "slipstream checkpoints hold only tensors and plain data. Resume only from checkpoints you trust, "
+            "or start a new trainer.run_dir"
+        ) from None
 
 
 def trainer_file(rank: int) -> str:

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from slipstream.batching.records import LossNorm, PackedBatch
+from slipstream.checkpoint.manager import load_plain
 from slipstream.config.schema import ActorSection
 from slipstream.engine.base import LogProbOutput, count_loss_tokens, make_norm
 from slipstream.engine.distributed import (
@@ -196,7 +197,7 @@ class FSDPEngine(LocalEngine):
             set_model_state_dict(self.model, state["model"])
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        sched = torch.load(directory / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+        sched = load_plain(directory / SCHEDULER_FILE)
         self.scheduler.load_state_dict(sched["scheduler"])
 
     def offload(self) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from slipstream.batching.records import LossNorm, PackedBatch
+from slipstream.checkpoint.manager import load_plain
 from slipstream.config.schema import ActorSection
 from slipstream.engine.base import (
     LogProbOutput,
@@ -179,7 +180,7 @@ class LocalEngine:
         torch.save(state, Path(directory) / "engine.pt")
 
     def load(self, directory: Path) -> None:
-        state = torch.load(Path(directory) / "engine.pt", map_location=self.device, weights_only=True)
+        state = load_plain(Path(directory) / "engine.pt", map_location=self.device)
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -72,6 +72,22 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_an_engine_file_that_would_run_code_is_refused(tmp_path):
+    from slipstream.config.schema import ActorSection
+    from slipstream.engine.local import LocalEngine
+    from slipstream.models.presets import get_preset
+    from slipstream.models.transformer import Transformer
+
+    engine = LocalEngine(Transformer(get_preset("tiny")), torch.device("cpu"), torch.float32, 1.0, ActorSection())
+    engine.save(tmp_path)
+    marker = tmp_path / "code_ran"
+    torch.save({"model": _Planted(marker)}, tmp_path / "engine.pt")
+    # refused like trainer.pt, not torch's advice to rerun with weights_only=False
+    with pytest.raises(ValueError, match=r"engine.pt is refused: it holds Python objects .* \(it would call posix.system\)"):
+        engine.load(tmp_path)
+    assert not marker.exists()
+
+
 def test_a_checkpoint_of_the_older_format_still_loads(tmp_path):
     """Trainer state once held numpy's RNG keys as an array: loading it builds an array, no other code."""
     manager = CheckpointManager(tmp_path)

@@ -59,6 +59,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from slipstream.batching.records import LossNorm, PackedBatch
+from slipstream.checkpoint.manager import load_plain
 from slipstream.config.schema import ActorSection, MegatronLayout
 from slipstream.engine.base import (
     LogProbOutput,
@@ -500,7 +501,7 @@ class MegatronEngine:
             self._load(path)
 
     def _load(self, path: Path) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = load_plain(path, map_location=self.device)
         saved = state.get("layout")
         if saved is not None and saved != self._layout():
             raise ValueError(f"megatron checkpoint layout {saved} differs from this engine's {self._layout()}")
