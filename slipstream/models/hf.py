@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -220,6 +221,7 @@ def read_gguf(file: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     file = Path(file)
+    _check_gguf(file)
     hf_config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
     # The converter maps GGUF tensor names by walking a model's parameter names; a meta
     # skeleton provides them without allocating weights.
@@ -228,6 +230,22 @@ def read_gguf(file: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=skeleton)
     tensors = {k: torch.as_tensor(v).float() for k, v in parsed["tensors"].items()}
     return hf_config.to_dict(), tensors
+
+
+def _check_gguf(file: Path) -> None:
+    """ValueError naming `file` unless its header, metadata and tensor table read whole.
+
+    A file cut short (an interrupted download or copy) otherwise surfaces as a bare
+    `struct.error` or a numpy reshape error from deep inside the reader.
+    """
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(file)  # memory-maps the tensor data: its size is checked, nothing is copied
+    except (struct.error, ValueError) as err:
+        raise ValueError(
+            f"{file}: not a readable GGUF file (truncated or corrupt: {err}; {file.stat().st_size} bytes on disk)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- save

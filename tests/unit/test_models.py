@@ -6,7 +6,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,3 +363,21 @@ def test_gguf_smollm2_matches_transformers(monkeypatch):
         theirs = _token_logprobs(ref(input_ids=ids[None]).logits[0], ids)
     # 30 layers in fp32 vs transformers' eager path: measured 8.6e-06, 3.5x margin
     torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keep", [20, 100, 416])  # cut in the header, the metadata, the tensor data
+def test_truncated_gguf_is_named_as_truncated(tmp_path, keep):
+    gguf = pytest.importorskip("gguf")
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_context_length(64)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:keep])  # an interrupted download or copy
+    with pytest.raises(ValueError, match=rf"{re.escape(str(cut))}: not a readable GGUF file \(truncated or corrupt: "):
+        load_pretrained(cut)
