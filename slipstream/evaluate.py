@@ -35,7 +35,7 @@ def resolve_target(target: str, recipe: str | None, overrides: list[str]) -> tup
             raise ValueError("--recipe is for a model; a run directory brings its own config.yaml")
         checkpoint = CheckpointManager(path / "checkpoints").latest()
         if checkpoint is None:
-            raise ValueError(f"{path} has no checkpoint; pass a model path (e.g. {path / 'hf'}) instead")
+            raise ValueError(_no_checkpoint(path))
         return load_config(path / "config.yaml", overrides), checkpoint, int(checkpoint.name.removeprefix("step_"))
     match = STEP_DIR.match(path.name)
     if path.is_dir() and match and (path.parent.parent / "config.yaml").is_file():  # RUN_DIR/checkpoints/step_N
@@ -45,6 +45,18 @@ def resolve_target(target: str, recipe: str | None, overrides: list[str]) -> tup
     if not (target.startswith("pkg:") or path.exists()):
         raise ValueError(f"{target!r} is neither a run directory, a checkpoint directory nor a model path")
     return load_config(recipe, [f"model.path={target}", *overrides]), None, 0
+
+
+def _no_checkpoint(run_dir: Path) -> str:
+    """What a run directory without a checkpoint does hold, and what to pass instead."""
+    export = run_dir / "hf"
+    if (export / "config.json").is_file():
+        return f"{run_dir} has no checkpoint; score its exported model: slipstream eval {export}"
+    contents = ", ".join(sorted(p.name for p in run_dir.iterdir()))
+    return (
+        f"{run_dir} has no checkpoint and no hf/ export (it holds {contents}): the run stopped before its first "
+        "save. Resume it with `slipstream train`, or pass a model (an HF directory or a .gguf file) to score"
+    )
 
 
 def evaluate_target(

@@ -79,4 +79,10 @@ def test_eval_command_errors(tmp_path, capsys):
     assert "neither a run directory, a checkpoint directory nor a model path" in capsys.readouterr().err
     (tmp_path / "config.yaml").write_text("trainer: {total_steps: 2}\n")
     assert main(["eval", str(tmp_path)]) == 2  # a run directory without checkpoints
-    assert "has no checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{tmp_path} has no checkpoint and no hf/ export (it holds config.yaml)" in err
+    assert str(tmp_path / "hf") not in err  # no path that does not exist is suggested
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert main(["eval", str(tmp_path)]) == 2
+    assert f"{tmp_path} has no checkpoint; score its exported model: slipstream eval {tmp_path / 'hf'}" in capsys.readouterr().err
