@@ -27,10 +27,12 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     try:  # start-up: imports (torch), model load, reward workers, resume
         from slipstream.controller.trainer import Interrupted, build_trainer
-        from slipstream.controller.run_dir import RunComplete, missing_outputs
+        from slipstream.controller.run_dir import RunComplete, check_resume_config, missing_outputs
         from slipstream.report import write_report
         from slipstream.rewards.runner import RewardError
 
+        if not args.overwrite:
+            check_resume_config(cfg, allow_change=args.allow_config_change)
         trainer = build_trainer(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:
         import multiprocessing
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true",
                        help="start over in a trainer.run_dir that holds an earlier run (its checkpoints, metrics, logs "
                        "and export are deleted first)")  # fmt: skip
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="resume a run with a config that differs from its config.yaml beyond the length, "
+                       "logging, saving and the eval schedule")  # fmt: skip
     train.set_defaults(func=_train, usage=train.format_usage())
 
     ev = sub.add_parser("eval", help="score a run, a checkpoint or an HF / GGUF model on eval sets, without training")

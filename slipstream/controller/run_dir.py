@@ -2,7 +2,9 @@
 
 A run directory holds one run. Started again it resumes from its newest checkpoint; a directory
 that holds an earlier run's output but no checkpoint is refused (it cannot be continued, and
-appending to its metrics would mix two runs) unless the caller asked to overwrite it. A resumed
+appending to its metrics would mix two runs) unless the caller asked to overwrite it. A resume
+whose config differs from the run's config.yaml beyond `SAFE_TO_CHANGE` is refused too
+(`check_resume_config`; `slipstream train --allow-config-change` accepts it). A resumed
 run's metrics.jsonl keeps the rows up to the checkpoint's step; rows logged after it (by steps
 that were run but never saved) move to metrics.dropped.jsonl, so every step has one row.
 """
@@ -12,10 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 from slipstream.checkpoint.manager import CheckpointManager
-from slipstream.config.schema import TrainerSection
+from slipstream.config.schema import Config, TrainerSection
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,15 @@ OUTPUTS = (
     "wandb_run_id",
 )  # fmt: skip
 """What a run writes into its run_dir (`--overwrite` removes exactly these)."""
+
+
+SAFE_TO_CHANGE = (
+    "trainer.total_steps", "trainer.run_dir", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
+    "trainer.stall_dump_s", "trainer.peak_flops", "logging", "eval.every_steps", "eval.before_training",
+)  # fmt: skip
+"""Config keys (or whole sections) a resumed run may change: how long it runs, what it logs and saves,
+and when it evaluates. Anything else (the model, data, algorithm, rollout, an eval set) makes it
+another run, whose metrics and checkpoints must not mix with this one's."""
 
 
 class RunComplete(Exception):
@@ -89,6 +101,46 @@ def missing_outputs(trainer: TrainerSection) -> list[str]:
     if (run_dir / "metrics.jsonl").is_file() and not (run_dir / "report.png").is_file():
         missing.append("report.png")
     return missing
+
+
+def check_resume_config(cfg: Config, *, allow_change: bool = False) -> None:
+    """ValueError when cfg would resume the run in trainer.run_dir with a config that differs from the
+    run's config.yaml beyond `SAFE_TO_CHANGE`; the message lists each difference as `key: old -> new`.
+
+    Called before anything is built or written: a refused resume leaves the run as it was.
+    """
+    from slipstream.config.loader import load_config  # the loader imports the schema only
+
+    run_dir = Path(cfg.trainer.run_dir)
+    saved = run_dir / "config.yaml"
+    if allow_change or not cfg.trainer.resume or not saved.is_file():
+        return
+    if not CheckpointManager(run_dir / "checkpoints").steps():
+        return  # nothing to resume: open_run_dir refuses or starts fresh
+    changes = [c for c in config_changes(asdict(load_config(saved)), asdict(cfg)) if not _safe(c.split(":")[0])]
+    if changes:
+        raise ValueError(
+            f"{run_dir} holds a run with another config; resuming it would mix two runs' metrics and checkpoints:\n  "
+            + "\n  ".join(changes)
+            + "\npick a new trainer.run_dir, or pass `slipstream train --allow-config-change` to resume it with these "
+            f"changes (safe to change without it: {', '.join(SAFE_TO_CHANGE)})"
+        )
+
+
+def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every dotted key whose value differs between two config trees."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return changes
+
+
+def _safe(key: str) -> bool:
+    return any(key == safe or key.startswith(f"{safe}.") for safe in SAFE_TO_CHANGE)
 
 
 def rewind_metrics(run_dir: Path, step: int) -> None:

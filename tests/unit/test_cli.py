@@ -86,3 +86,29 @@ def test_eval_command_errors(tmp_path, capsys):
     (tmp_path / "hf" / "config.json").write_text("{}")
     assert main(["eval", str(tmp_path)]) == 2
     assert f"{tmp_path} has no checkpoint; score its exported model: slipstream eval {tmp_path / 'hf'}" in capsys.readouterr().err
+
+
+def test_resume_with_another_config_is_refused_unless_allowed(tmp_path, capsys):
+    from slipstream.checkpoint.manager import CheckpointManager
+    from slipstream.config.loader import dump_yaml, load_config
+
+    run = tmp_path / "run"
+    base = ["recipes/demo.yaml", f"trainer.run_dir={run}", "trainer.total_steps=2"]
+    run.mkdir()
+    dump_yaml(load_config(base[0], base[1:]), run / "config.yaml")
+    CheckpointManager(run / "checkpoints").save(2, lambda d: None, {})
+    before = sorted(p.name for p in run.iterdir())
+
+    assert main(["train", *base, "actor.lr=3e-4", "rollout.group_size=4", "logging.tensorboard=false"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds a run with another config" in err
+    assert "actor.lr: 0.001 -> 0.0003" in err and "rollout.group_size: 8 -> 4" in err
+    assert "logging.tensorboard" not in err  # safe to change: not listed
+    assert "slipstream train --allow-config-change" in err
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing was touched
+
+    # keys safe to change (the length, logging, the eval schedule) resume without a word
+    assert main(["train", *base[:2], "trainer.total_steps=2", "logging.tensorboard=false", "eval.every_steps=5"]) == 0
+    assert "is complete" in capsys.readouterr().out
+    assert main(["train", *base, "actor.lr=3e-4", "--allow-config-change"]) == 0
+    assert "is complete" in capsys.readouterr().out
