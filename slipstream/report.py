@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import yaml
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -23,6 +24,9 @@ from slipstream.logging.jsonl import read_metrics
 # Step-time panel: the phases stacked per step, in pipeline order; any other perf/*_time
 # phase found in the file is stacked after these.
 _PHASE_ORDER = ("rollout", "reward", "old_log_probs", "ref_log_probs", "actor_train", "update_weights")
+# A first step this many times the slowest of the others (compile, CUDA graphs, allocator warm-up)
+# is drawn off scale, so that the steady steps stay readable.
+_WARMUP_RATIO = 3.0
 
 
 def _series(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -93,20 +97,27 @@ def _step_time_panel(ax: Axes, records: Sequence[dict]) -> None:
     series = _series(records, "perf/step_time")
     if series is not None:
         ax.plot(*series, color="black", marker="_", linestyle="none", markersize=10, label="step")
+    # a step's height is the larger of its stacked phases and its wall time (NaN where not logged)
+    totals = np.fmax(bottom, np.array([r.get("perf/step_time", math.nan) for r in records], dtype=np.float64))
+    if len(totals) >= 3 and totals[0] > _WARMUP_RATIO * np.nanmax(totals[1:]):
+        top = 1.15 * np.nanmax(totals[1:])
+        ax.set_ylim(0, top)
+        ax.annotate(f"step {steps[0]}: {totals[0]:.2f} s (warm-up, off scale)", xy=(steps[0], top),
+                    xytext=(4, -12), textcoords="offset points", fontsize=7, ha="left")  # fmt: skip
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7)
 
 
-def _throughput_panel(ax: Axes, records: Sequence[dict]) -> None:
+def _throughput_panel(ax: Axes, records: Sequence[dict], device: str) -> None:
     title = "throughput / MFU"
     tok_keys = ("perf/actor_train_tok_per_s", "perf/rollout_tokens_per_gpu_per_s")
     plotted = False
     for key in tok_keys:
         series = _series(records, key)
         if series is not None:
-            ax.plot(*series, label=key.removeprefix("perf/") + " (per GPU)")
+            ax.plot(*series, label=key.removeprefix("perf/").replace("_per_gpu", "") + f" (per {device})")
             plotted = True
     mfu = _series(records, "perf/actor_train_mfu")
     if not plotted and mfu is None:
@@ -116,7 +127,7 @@ def _throughput_panel(ax: Axes, records: Sequence[dict]) -> None:
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if plotted:
-        ax.set_ylabel("tokens / s / GPU")
+        ax.set_ylabel(f"tokens / s / {device}")
         ax.legend(fontsize=7, loc="upper left")
     if mfu is not None:
         # MFU is a fraction; on its own axis so it stays readable next to tokens/s.
@@ -187,11 +198,29 @@ def eval_summary(records: Sequence[dict]) -> list[str]:
     return lines
 
 
+def trained_steps(records: Sequence[dict]) -> list[dict]:
+    """The records of training steps: the eval-only row of step 0 (before training) aside."""
+    return [r for r in records if "reward/mean" in r or "perf/step_time" in r] or list(records)
+
+
+def run_device(run_dir: Path, records: Sequence[dict]) -> str:
+    """"GPU" or "CPU": the run's trainer.device (config.yaml); for "auto", whether the memory metrics that
+    are logged on CUDA only are there."""
+    config = run_dir / "config.yaml"
+    device = "auto"
+    if config.is_file():
+        device = str((yaml.safe_load(config.read_text()) or {}).get("trainer", {}).get("device", "auto"))
+    if device == "auto":
+        on_cuda = any(key.startswith("perf/max_memory_allocated_gb/") for r in records for key in r)
+        return "GPU" if on_cuda else "CPU"
+    return "GPU" if device.startswith("cuda") else "CPU"
+
+
 def summarize(records: Sequence[dict], k: int = 10) -> str:
     """One short paragraph: steps logged, first-k vs last-k mean reward, mean step time."""
     if not records:
         return "no metrics logged"
-    trained = [r for r in records if "reward/mean" in r] or list(records)  # eval-only rows (step 0) aside
+    trained = trained_steps(records)
     lines = [f"steps logged: {len(trained)} (step {trained[0]['step']} .. {trained[-1]['step']})"]
     reward = _series(records, "reward/mean")
     if reward is not None:
@@ -232,13 +261,13 @@ def write_report(run_dir: str | Path, k: int = 10, smooth: int = 10) -> Path:
     _line_panel(axes[0, 2], records, ["actor/kl"], "KL to reference")
     _line_panel(axes[1, 0], records, ["actor/entropy"], "entropy")
     _step_time_panel(axes[1, 1], records)
-    _throughput_panel(axes[1, 2], records)
+    _throughput_panel(axes[1, 2], records, run_device(run_dir, records))
     for i, ax in enumerate(axes[2:].flat):
         if i < len(names):
             _eval_panel(ax, records, names[i], smooth)
         else:
             ax.set_visible(False)
-    fig.suptitle(f"{run_dir.name}: {len(records)} steps")
+    fig.suptitle(f"{run_dir.name}: {len(trained_steps(records))} steps")
 
     out = run_dir / "report.png"
     fig.savefig(out, dpi=100)

@@ -296,3 +296,27 @@ def test_summary_counts_training_steps_not_eval_rows():
     rows = [{"step": 0, "eval/sum/accuracy": 0.0}] + [{"step": s, "reward/mean": 0.1 * s} for s in (1, 2, 3, 4)]
     rows.append({"step": 4, "eval/sum/accuracy": 1.0})
     assert summarize(rows).splitlines()[0] == "steps logged: 4 (step 1 .. 4)"
+
+
+def test_report_panels_fit_the_run(tmp_path, monkeypatch):
+    """A slow first step does not squash the step-time panel, a CPU run's throughput is not per GPU,
+    and the title counts trained steps (not the step-0 eval row)."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    rows = [{"step": 0, "eval/t/accuracy": 0.1, "perf/eval_time": 0.5}]
+    for step in range(1, 201):
+        rows.append({"step": step, "reward/mean": 0.5, "perf/rollout_time": 1.5 if step == 1 else 0.04,
+                     "perf/step_time": 1.6 if step == 1 else 0.05, "perf/rollout_tokens_per_gpu_per_s": 900.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("trainer:\n  device: cpu\n")
+    write_report(tmp_path)
+    (fig,) = drawn
+    assert fig.get_suptitle() == f"{tmp_path.name}: 200 steps"
+    step_time, throughput = fig.axes[4], fig.axes[5]
+    assert step_time.get_title().startswith("step time breakdown")
+    assert 0.05 < step_time.get_ylim()[1] < 0.2  # scaled to the steady steps, not the 1.6 s warm-up
+    assert any("step 1: 1.60 s" in t.get_text() for t in step_time.texts)  # marked in the panel
+    assert "GPU" not in throughput.get_ylabel() and "CPU" in throughput.get_ylabel()
+    assert all("GPU" not in t.get_text() for t in throughput.get_legend().get_texts())
