@@ -48,7 +48,7 @@ def token_work(seq_len: int, quadratic_scale: float = DEFAULT_QUADRATIC_SCALE) -
 
 
 def quadratic_scale_for(config: ModelConfig) -> float:
-    """Quadratic scale matching the FLOPs formula 6*N*s + 6*L*H*D*s^2 of DESIGN.md for a model."""
+    """Quadratic scale matching the FLOPs formula 6*N*s + 6*L*H*D*s^2 of docs/architecture.md#tokens-flops-and-mfu."""
     return config.num_matmul_params / (config.num_layers * config.num_heads * config.head_dim)
 
 

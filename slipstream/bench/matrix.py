@@ -21,7 +21,7 @@ The peer adapters live in the repository's benchmarks/ (checkout.py finds it); w
 the peer cells are explained rows. Row statuses: ok, missing (peer not installed; `install` says how),
 not-available, not-applicable, oom, error. Only "ok" rows carry numbers. Timing and statistics follow
 train_step.py: warm-up discarded, median / min / max over repeats, real tokens only, model
-FLOPs per DESIGN.md; `rel_spread` = (max - min) / median is the run-to-run noise of a phase.
+FLOPs (docs/architecture.md#tokens-flops-and-mfu); `rel_spread` = (max - min) / median is the run-to-run noise of a phase.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
         "- Timing: " + (f"warm-up {timing[0]} + {timing[1]} timed repeats" if timing else "warm-up + repeats per row")
         + " (median, min-max); each row states its own engine, precision, compile, recompute, micro-batching and "
         "padding (details in the fairness checklist below)",
-        f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (DESIGN.md); MFU against "
+        f"- Tokens are real tokens (padding excluded); FLOPs are model FLOPs (docs/architecture.md#tokens-flops-and-mfu); MFU against "
         f"{'an override peak of %.0f TFLOP/s' % (peak / 1e12) if peak else 'the datasheet dense bf16 peak'}; "
         "noise = (max - min) / median of the actor update; vs TRL = real tok/s over the best TRL row of the "
         "same workload",

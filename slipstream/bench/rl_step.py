@@ -42,7 +42,7 @@ CORE_METRICS = (
     "perf/actor_train_mfu", "perf/actor_train_tok_per_s", "perf/wait_time_ratio",
     "perf/rollout_tokens_per_gpu_per_s",
 )  # fmt: skip
-"""The DESIGN.md metric set (plus perf/max_memory_allocated_gb/<phase> on CUDA); MFU needs a known peak."""
+"""The metric set of docs/architecture.md#metrics (plus perf/max_memory_allocated_gb/<phase> on CUDA); MFU needs a known peak."""
 _MEM_PREFIX = "perf/max_memory_allocated_gb/"
 
 
@@ -268,7 +268,7 @@ def rl_step_markdown(rows: Sequence[dict]) -> list[str]:
         f"{cfg['rollout']['group_size']}, max_new_tokens {cfg['rollout']['max_new_tokens']}, recompute "
         f"{cfg['actor']['activation_checkpointing']}, micro-batch budget {cfg['actor']['max_tokens_per_mb']} tokens; "
         f"{held['steps']} steps per cell, the first {held['warmup_steps']} discarded (median, min-max over the rest)",
-        "- Per GPU: train TFLOP/s and tok/s count real trained tokens (model FLOPs, DESIGN.md); wait = share of the "
+        "- Per GPU: train TFLOP/s and tok/s count real trained tokens (model FLOPs, docs/architecture.md#tokens-flops-and-mfu); wait = share of the "
         "step the trainer is not running trainer phases; rollout tok/s = response tokens / rollout time; MFU "
         f"against {'an override peak of %.0f TFLOP/s' % (held['peak_flops'] / 1e12) if held['peak_flops'] else 'the datasheet dense bf16 peak'} "
         "(- where no peak is known, e.g. the CPU)",

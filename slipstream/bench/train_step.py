@@ -4,7 +4,7 @@ Two phases are measured on the same planned micro-batches:
   actor_train  forward_backward over every micro-batch + ONE optim_step (one minibatch update)
   log_probs    forward_logprobs over the same micro-batches (old / ref log-prob recompute)
 Each is timed as a whole (CUDA events around the phase; perf_counter on the CPU) over
-`repeats` runs after `warmup` discarded ones. FLOPs follow DESIGN.md (slipstream.perf.flops:
+`repeats` runs after `warmup` discarded ones. FLOPs follow docs/architecture.md#tokens-flops-and-mfu (perf.flops:
 model FLOPs on real tokens, forward = train / 3), MFU uses the dense bf16 datasheet peak.
 Peak memory is torch.cuda.max_memory_allocated after a reset at the start of each phase.
 """
@@ -134,7 +134,7 @@ def phase_stats(
 
 
 def perf_metrics(phases: dict[str, dict]) -> dict[str, float]:
-    """The DESIGN.md `perf/` names of the measured phases."""
+    """The `perf/` names (docs/architecture.md#metrics) of the measured phases."""
     out = {}
     for name, p in phases.items():
         out[f"perf/{name}_time"] = p["time_s"]

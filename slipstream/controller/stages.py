@@ -234,7 +234,7 @@ class Stages:
         return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
     def perf(self, batch: PackedBatch, samples: list[Sample], timer: PhaseTimer) -> dict[str, float]:
-        """Phase times, per-phase memory and the DESIGN.md throughput metrics of one step."""
+        """Phase times, per-phase memory and the throughput metrics (docs/architecture.md#metrics) of one step."""
         metrics = {"perf/num_dp_ranks": float(self.dp_size), **timer.summary()}
         metrics.update(
             perf_metrics(

@@ -87,7 +87,7 @@ def test_synthetic_batch_shapes_and_masks():
 
 
 def _hand_train_flops(lens: list[int]) -> float:
-    """DESIGN.md's formula written out from the tiny preset's fields (no slipstream.perf code)."""
+    """The FLOPs formula of docs/architecture.md#tokens-flops-and-mfu written out from the tiny preset's fields (no slipstream.perf code)."""
     c = get_preset("tiny")
     h, d = c.hidden_size, c.head_dim
     # q, k + v, o projections and the three SwiGLU matrices, per layer; plus the LM head
