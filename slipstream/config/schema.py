@@ -108,8 +108,7 @@ class RolloutSection:
     """Free the rollout's KV cache and weights while the trainer works (colocated): the weights are dropped, not moved to the host, and come back with the weight sync after the update; false keeps cache, weights and decode graphs (more memory, no re-allocation or graph capture each step)."""
 
     def __post_init__(self) -> None:
-        # the kernel owns the launch format; imported here so that loading the schema imports no torch
-        from slipstream.ops.decode_attention import parse_launch
+        from slipstream.ops.decode_launch import parse_launch  # torch-free: loading a config imports no torch
 
         try:
             parse_launch(self.decode_launch)
@@ -176,7 +175,7 @@ class AlgoSection:
     ppo_epochs: int = 1
     """Passes over the rollout batch."""
     decoupled: bool | None = None
-    """Decoupled PPO: the clip is anchored at the proximal policy (the current weights, old log-probs recomputed before each update) and the behaviour policy enters only through the capped weight pi_prox / pi_behav; None: on in async mode, off in sync."""
+    """Decoupled PPO: the clip is anchored at the proximal policy (the current weights, old log-probs recomputed before each update) and the behaviour policy enters only through the capped weight pi_prox / pi_behav; None: on in async mode with trainer.max_staleness > 0, off otherwise (so async at max_staleness 0 is sync exactly)."""
     behav_is_cap: float | None = None
     """Cap of the importance weight pi_prox / pi_behaviour; None: 5.0 when decoupled, unused otherwise."""
     dynamic_sampling: bool = False

@@ -1,5 +1,7 @@
 """Config tree: defaults, YAML + overrides, strict errors, round trip, docs in sync."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,10 @@ def test_reference_doc_in_sync():
 def test_recipes_load():
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         load_config(recipe)
+
+
+def test_loading_a_config_imports_no_torch():
+    # the CLI loads the config before its start-up: a Ctrl-C or a config error there must not wait for torch
+    code = ("import sys; from slipstream.config import load_config; load_config('recipes/demo.yaml', []); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('slipstream'))")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -13,7 +13,8 @@ PACKAGE = Path(slipstream.cli.__file__).parent
 # Bottom to top. A subpackage (or top-level module) imports only from layers below its own; two
 # subpackages of one layer import nothing from each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "ops", "logging"),  # foundations: the typed config tree, kernels, metric sinks
+    ("ops", "logging"),  # foundations: kernels (and their launch settings), metric sinks
+    ("config",),  # the typed config tree, which checks kernel launch settings with ops/decode_launch.py
     ("models",),  # native model code and HF / GGUF I/O, over the kernels
     ("batching", "perf"),  # typed records and packing; FLOPs and timers, over the model config
     ("algo", "rewards", "checkpoint"),  # pure losses / advantages; reward functions and runner; checkpoints
