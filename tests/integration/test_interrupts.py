@@ -117,7 +117,9 @@ def test_ctrl_c_saves_and_a_rerun_continues_the_metrics(tmp_path, capsys):
     stopped_at = int(saved.removeprefix("step_"))
     assert stopped_at >= 2 and _steps(run) == list(range(1, stopped_at + 1))
 
-    assert _train(run, "trainer.total_steps=6") == 0  # resumes (with the demo's own, fast reward)
+    # resumes with the demo's own, fast reward: a change of config a resume refuses unless asked
+    assert _train(run, "trainer.total_steps=6") == 2
+    assert _train(run, "trainer.total_steps=6", "--allow-config-change") == 0
     assert _steps(run) == [1, 2, 3, 4, 5, 6]
     capsys.readouterr()
     assert _train(run, "trainer.total_steps=6") == 0  # nothing left to do
@@ -137,7 +139,7 @@ def test_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     assert _steps(run)[-1] >= 3  # steps logged after the checkpoint
 
-    assert _train(run, "trainer.total_steps=4") == 0  # resumes from step 2
+    assert _train(run, "trainer.total_steps=4", "--allow-config-change") == 0  # resumes from step 2, fast reward
     assert _steps(run) == [1, 2, 3, 4]  # one row per step: the rows after step 2 were moved aside
     assert 3 in _steps(run, "metrics.dropped.jsonl")
 
