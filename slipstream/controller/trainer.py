@@ -141,8 +141,11 @@ class RLTrainer:
             self.rollout = RemoteRollout(placement, self.device)
         self.sampling = setup.build_sampling(cfg, self.tokenizer, self.model_cfg)
         # eval problems are fixed first: the training stream skips every held-out one
-        self.eval_sets = build_eval_sets(cfg, self.tokenizer)
-        self.prompts = PromptSource(cfg, self.tokenizer, exclude=excluded_hashes(self.eval_sets))
+        # prompts leaving no room for max_new_tokens in the model's context are dropped and counted, in
+        # the eval sets and the training stream alike
+        context = self.model_cfg.max_position_embeddings
+        self.eval_sets = build_eval_sets(cfg, self.tokenizer, max_context=context)
+        self.prompts = PromptSource(cfg, self.tokenizer, exclude=excluded_hashes(self.eval_sets), max_context=context)
         self.rewards = setup.build_rewards(cfg, self.prompts.reward_functions())
         self.evaluator = None
         self.eval_engine = None

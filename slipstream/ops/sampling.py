@@ -255,7 +255,7 @@ def sample_rows(
 HEAD_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch of the fused LM-head sampling kernel: rows and vocabulary entries per tile, hidden entries per step
 of the matmul, warps, pipeline stages, and the programs per SM the vocabulary split aims for. Not yet tuned on
-a GPU (`python bench/bench_sampling.py` times it against the LM-head matmul + `sample_rows`)."""
+a GPU (`python benchmarks/tools/bench_sampling.py` times it against the LM-head matmul + `sample_rows`)."""
 HEAD_MAX_SPLITS = 256
 """Most vocabulary slices per row in the fused kernel (the merge's compile-time width for it)."""
 

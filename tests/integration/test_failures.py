@@ -98,3 +98,19 @@ def test_a_stalled_step_dumps_every_thread_stack_and_goes_on(tmp_path, monkeypat
 
 def _slow_collective_for_the_test(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_in_training_and_the_step_0_eval(tmp_path):
+    # the default eval set is the training source, and data.max_prompt_length is unset: the over-long row
+    # used to reach generate() at the step-0 eval and end the run
+    data = tmp_path / "long.jsonl"
+    rows = ["1+1=", "1+" * 1100 + "1=", "2+2=", "3+3=", "4+4="]
+    data.write_text("".join(json.dumps({"prompt": r, "answer": "0"}) + "\n" for r in rows))
+    trainer = RLTrainer(load_config("recipes/demo.yaml", [
+        f"trainer.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", "trainer.export_hf=false",
+        f"data.source={data}", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "trainer.total_steps=1", "eval.sets={held: {size: 5}}", "eval.before_training=true",
+    ]))  # fmt: skip
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["eval/held/filtered_prompts"] == 1.0 and records[0]["eval/held/num_problems"] == 4.0
