@@ -158,8 +158,12 @@ DEFAULT_BEHAV_IS_CAP = 5.0
 
 
 def is_decoupled(cfg: Config) -> bool:
-    """algo.decoupled, or by default: on in async mode (stale behaviour policies), off in sync."""
-    return cfg.algo.decoupled if cfg.algo.decoupled is not None else cfg.trainer.mode == "async"
+    """algo.decoupled, or by default: on in async mode with max_staleness > 0 (stale behaviour policies),
+    off otherwise. At max_staleness 0 every trained token comes from the current weights, so the default
+    keeps the sync loss: async with max_staleness 0 then reproduces sync bit for bit."""
+    if cfg.algo.decoupled is not None:
+        return cfg.algo.decoupled
+    return cfg.trainer.mode == "async" and cfg.trainer.max_staleness > 0
 
 
 def build_loss_fn(cfg: Config) -> SpecLoss:

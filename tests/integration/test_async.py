@@ -160,3 +160,22 @@ def test_dynamic_sampling_keeps_the_same_groups_in_sync_and_async(tmp_path, max_
     if max_prompts == 3:  # the limit is reached: the zero-advantage groups past it are trained, batches stay full
         assert max(extra) == 3
         assert all(len({gid for gid, *_ in batch}) == trainer.cfg.rollout.prompts_per_step for batch in kept["sync"][0])
+
+
+def test_default_settings_at_zero_staleness_equal_sync(tmp_path):
+    """With algo.decoupled left at its default, async at max_staleness 0 trains the sync loss (every token
+    comes from the current weights, so there is no stale behaviour policy to correct for): same metrics
+    and weights bit for bit, not only the same samples."""
+    runs = {}
+    for mode in ("sync", "async"):
+        overrides = [f"trainer.run_dir={tmp_path / mode}", *(b for b in BASE if not b.startswith("algo.decoupled")),
+                     f"trainer.mode={mode}", "trainer.max_staleness=0"]
+        trainer = RLTrainer(load_config("recipes/demo.yaml", overrides))
+        runs[mode] = (_run(trainer, 3), {n: t.clone() for n, t in trainer.engine.export_weights()})
+    (sm, sw), (am, aw) = runs["sync"], runs["async"]
+    for s_row, a_row in zip(sm, am, strict=True):
+        for key in s_row:
+            if key.startswith(("reward/", "actor/")):
+                assert a_row[key] == s_row[key], key
+    for name in sw:
+        assert torch.equal(sw[name], aw[name]), name
