@@ -271,8 +271,9 @@ def test_two_ranks_match_one_process(pg, local_ref, tmp_path):
     for res in results:
         # 2 ranks vs 1 process: measured max |diff| 1.2e-07 (rel 9.9e-08), 4x margin
         assert_metrics_close(res["metrics"], want_metrics, atol=5e-7)
-        # measured max |diff| 2.0e-08: 5x margin
-        assert_weights_close(res["weights"], want_weights, atol=1e-7)
+        # measured max |diff| 2.0e-08 on most machines, one fp32 step (1.19e-07) on others: the norm weights
+        # sit at ~1.0, where a single rounding of the reduced gradient moves them by an ulp; two ulps there
+        assert_weights_close(res["weights"], want_weights, atol=2.4e-7)
     # both ranks hold identical full weights and identical gathered log-probs
     # exact: measured 0 (every rank holds the same full weights)
     assert_weights_close(results[1]["weights"], results[0]["weights"], atol=0.0)
@@ -288,8 +289,8 @@ def test_two_ranks_match_one_process(pg, local_ref, tmp_path):
     # scheduler state: one more step matches the local engine's.
     engine = FSDPEngine(make_model(seed=7), CPU, torch.float32, 1.0, ACTOR)
     engine.load(tmp_path / "ckpt")
-    # measured max |diff| 2.0e-08: 5x margin
-    assert_weights_close(dict(engine.export_weights()), want_weights, atol=1e-7)
+    # as above: up to one fp32 step at the norm weights' ~1.0
+    assert_weights_close(dict(engine.export_weights()), want_weights, atol=2.4e-7)
     mbs, _ = local_micro_batches(BATCHES[0](), CAP)
     got = engine.forward_backward(mbs, LOSSES[0], max_response_len=16) | engine.optim_step()
     want = local.forward_backward(mbs, LOSSES[0], max_response_len=16) | local.optim_step()
