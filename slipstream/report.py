@@ -24,8 +24,8 @@ from slipstream.logging.jsonl import read_metrics
 # Step-time panel: the phases stacked per step, in pipeline order; any other perf/*_time
 # phase found in the file is stacked after these.
 _PHASE_ORDER = ("rollout", "reward", "old_log_probs", "ref_log_probs", "actor_train", "update_weights")
-# A first step this many times the slowest of the others (compile, CUDA graphs, allocator warm-up)
-# is drawn off scale, so that the steady steps stay readable.
+# A first step this many times the median of the others (compile, CUDA graphs, allocator warm-up), and
+# above the slowest of them, is drawn off scale, so that the steady steps stay readable.
 _WARMUP_RATIO = 3.0
 
 
@@ -99,7 +99,7 @@ def _step_time_panel(ax: Axes, records: Sequence[dict]) -> None:
         ax.plot(*series, color="black", marker="_", linestyle="none", markersize=10, label="step")
     # a step's height is the larger of its stacked phases and its wall time (NaN where not logged)
     totals = np.fmax(bottom, np.array([r.get("perf/step_time", math.nan) for r in records], dtype=np.float64))
-    if len(totals) >= 3 and totals[0] > _WARMUP_RATIO * np.nanmax(totals[1:]):
+    if len(totals) >= 3 and totals[0] > max(_WARMUP_RATIO * np.nanmedian(totals[1:]), 1.15 * np.nanmax(totals[1:])):
         top = 1.15 * np.nanmax(totals[1:])
         ax.set_ylim(0, top)
         ax.annotate(f"step {steps[0]}: {totals[0]:.2f} s (warm-up, off scale)", xy=(steps[0], top),
@@ -107,7 +107,7 @@ def _step_time_panel(ax: Axes, records: Sequence[dict]) -> None:
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")  # the warm-up note sits at the top left
 
 
 def _throughput_panel(ax: Axes, records: Sequence[dict], device: str) -> None:
