@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--best-to", default=None,
                         help="write the launch configuration with the highest mean bandwidth over the cases here, "
-                        "as SLIPSTREAM_DECODE_LAUNCH takes it")  # fmt: skip
+                        "as rollout.decode_launch and `bench rollout --decode-launch` take it")  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
     chosen = dict(decode_attention.LAUNCH)
