@@ -32,7 +32,7 @@ from slipstream.controller import dynamic_sampling, setup
 from slipstream.controller.loops import AsyncLoop, DisaggregatedLoop, SyncLoop
 from slipstream.controller.placement import Placement, RemoteRollout, RolloutWorker, make_placement, staleness_bound
 from slipstream.controller.prompts import PromptSource
-from slipstream.controller.run_dir import RunComplete, missing_outputs, open_run_dir, rewind_metrics
+from slipstream.controller.run_dir import RunComplete, config_changes, missing_outputs, open_run_dir, rewind_metrics
 from slipstream.controller.stages import NonFiniteLoss, Stages
 from slipstream.controller.watch import StallWatch, TruncationWatch
 from slipstream.engine.distributed import all_reduce_, data_parallel_group
@@ -348,7 +348,9 @@ class RLTrainer:
     def _restore(self, directory: Path) -> None:
         self.engine.load(directory)
         state = self.checkpoints.load_trainer_state(directory, self.rank)
-        changed = _config_changes(state.get("config", {}), asdict(self.cfg))
+        # trainer.total_steps is expected to change on resume
+        changed = [c for c in config_changes(state.get("config", {}), asdict(self.cfg))
+                   if not c.startswith("trainer.total_steps:")]  # fmt: skip
         if changed:
             log.warning("resuming with a config that differs from the checkpoint's: %s", "; ".join(changed))
         self.prompts.load_state_dict(state["data"])
@@ -359,14 +361,3 @@ class RLTrainer:
         self.step_num = self._saved_step = int(state["step"])
         log.info("resumed from %s at step %d", directory, self.step_num)
 
-
-def _config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ (trainer.total_steps is expected to change on resume)."""
-    changes = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += _config_changes(a, b, f"{prefix}{key}.")
-        elif a != b and f"{prefix}{key}" != "trainer.total_steps":
-            changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return changes
