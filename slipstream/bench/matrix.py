@@ -158,7 +158,7 @@ def _rl_step_cell(spec: MatrixSpec, rl: RLStepSettings, framework: str, backend:
 def _oom_types() -> tuple[type[BaseException], ...]:
     import torch
 
-    from slipstream.engine.local import OutOfMemory
+    from slipstream.engine.base import OutOfMemory
 
     return (torch.OutOfMemoryError, OutOfMemory)
 

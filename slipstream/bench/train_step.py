@@ -28,11 +28,11 @@ from slipstream.batching.planner import quadratic_scale_for
 from slipstream.batching.records import PackedBatch
 from slipstream.bench.workloads import Workload, batch_from_lengths, get_workload, scaled, synthetic_batch
 from slipstream.config.schema import ActorSection, parse_backend
+from slipstream.engine.base import OutOfMemory
 from slipstream.engine.distributed import rank as dist_rank
 from slipstream.engine.distributed import world_size
 from slipstream.batching.shard import local_micro_batches
 from slipstream.engine.factory import build_engine
-from slipstream.engine.local import OutOfMemory
 from slipstream.models.config import ModelConfig
 from slipstream.models.presets import get_preset
 from slipstream.models.transformer import Transformer

@@ -29,9 +29,8 @@ from slipstream.batching.records import PackedBatch, Sample
 from slipstream.batching.shard import local_micro_batches
 from slipstream.config.schema import Config
 from slipstream.controller.prompts import TokenizedPrompt
-from slipstream.engine.base import MAX_METRIC_SUFFIX, TrainEngine
+from slipstream.engine.base import MAX_METRIC_SUFFIX, OutOfMemory, TrainEngine
 from slipstream.engine.distributed import all_reduce_, data_parallel_group, gather_per_token
-from slipstream.engine.local import OutOfMemory
 from slipstream.models.config import ModelConfig
 from slipstream.perf.timers import PhaseTimer, perf_metrics
 from slipstream.rewards.runner import RewardRunner

@@ -21,7 +21,6 @@ from slipstream.config.schema import ActorSection
 from slipstream.engine.base import (
     LogProbOutput,
     LossFn,
-    OutOfMemory,  # noqa: F401  -- re-exported: callers catch the backends' OOM error from here
     accumulate_metrics,
     count_norm,
     oom_advice,
