@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-
 from slipstream.checkpoint.manager import STEP_DIR, CheckpointManager
 from slipstream.config.loader import load_config
 from slipstream.config.schema import Config

@@ -4,8 +4,9 @@ A checkpoint directory `step_000012/` holds the engine's own files (model, optim
 plus `trainer.pt` with the step, the data position and every RNG state, so `resume`
 continues exactly where the run stopped. `trainer.pt` holds only tensors and plain Python
 values and is read with `torch.load(weights_only=True)`: a file that would run code when
-unpickled is refused (`load_plain`, which the engines' own `.pt` files go through too). (The fsdp backend's DCP directory is another matter: torch reads its
-`.metadata` with plain pickle, see docs/architecture.md.) A save that raises or is interrupted removes its
+unpickled is refused (`load_plain`, which the engines' own `.pt` files go through too). (The fsdp
+backend's DCP directory is another matter: torch reads its `.metadata` with plain pickle, see
+docs/architecture.md.) A save that raises or is interrupted removes its
 `.tmp` directory; a killed one leaves only the `.tmp` directory,
 which the next save of that step removes; `latest()` never returns a partial checkpoint.
 
